@@ -1,0 +1,23 @@
+"""Shared fixtures: the tiny Qwen3 model is built once per pytest session."""
+
+import os
+import sys
+from pathlib import Path
+
+# vLLM on CPU: a small KV cache, and the engine in this process so tests can reach its worker.
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+
+TESTS = Path(__file__).resolve().parent
+sys.path[:0] = [str(TESTS.parent), str(TESTS)]
+
+import pytest  # noqa: E402
+
+import make_tiny_model  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory):
+    out = tmp_path_factory.mktemp("tiny-qwen3")
+    make_tiny_model.main(out)
+    return str(out)
