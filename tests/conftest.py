@@ -21,3 +21,12 @@ def tiny_model_dir(tmp_path_factory):
     out = tmp_path_factory.mktemp("tiny-qwen3")
     make_tiny_model.main(out)
     return str(out)
+
+
+@pytest.fixture(scope="session")
+def vllm_lora_engine(tiny_model_dir):
+    """One float32 vLLM engine on the tiny model, with LoRA serving on, shared by read-only tests."""
+    from vllm import LLM
+
+    return LLM(model=tiny_model_dir, dtype="float32", enforce_eager=True, seed=0, max_model_len=1024,
+               enable_lora=True, max_lora_rank=8)
