@@ -181,7 +181,7 @@ def token_divergence(student_logits, teacher_logits, *, beta=0.0, temperature=1.
 
 
 def opsd_loss(student_hidden, student_mask, teacher_hidden, teacher_mask, lm_head_weight, num_tokens,
-              *, chunk_size=128, **divergence):
+              *, chunk_size=32, **divergence):
     """Sum of token_divergence over the masked positions, divided by num_tokens.
 
     Hidden states are (B, T, H) before the lm_head; the two masks select the positions that
