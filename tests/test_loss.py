@@ -145,7 +145,7 @@ def test_chunked_equals_unchunked_value_and_gradient(clip, beta):
 
     for chunk_size in (1, 4, 1000):
         h = hs.clone().requires_grad_()
-        loss = opsd_loss(h, s_mask, ht, t_mask, W, num_tokens, chunk_size=chunk_size, **kw)
+        loss, _ = opsd_loss(h, s_mask, ht, t_mask, W, num_tokens, chunk_size=chunk_size, **kw)
         (g,) = torch.autograd.grad(loss, h)
         torch.testing.assert_close(loss, ref, atol=1e-6, rtol=1e-6)
         torch.testing.assert_close(g, g_ref, atol=1e-7, rtol=1e-5)
@@ -154,14 +154,14 @@ def test_chunked_equals_unchunked_value_and_gradient(clip, beta):
 def test_masked_positions_contribute_nothing():
     hs, ht, W, s_mask, t_mask = hidden_batch(6)
     h1 = hs.clone().requires_grad_()
-    loss1 = opsd_loss(h1, s_mask, ht, t_mask, W, 15, chunk_size=4, clip="token")
+    loss1, _ = opsd_loss(h1, s_mask, ht, t_mask, W, 15, chunk_size=4, clip="token")
     (g1,) = torch.autograd.grad(loss1, h1)
     # change every masked-out hidden state, student and teacher: nothing may move
     hs2, ht2 = hs.clone(), ht.clone()
     hs2[~s_mask] = 1e3
     ht2[~t_mask] = -1e3
     h2 = hs2.requires_grad_()
-    loss2 = opsd_loss(h2, s_mask, ht2, t_mask, W, 15, chunk_size=4, clip="token")
+    loss2, _ = opsd_loss(h2, s_mask, ht2, t_mask, W, 15, chunk_size=4, clip="token")
     (g2,) = torch.autograd.grad(loss2, h2)
     assert loss1.item() == loss2.item() and loss1.item() > 0
     assert torch.equal(g1, g2)
@@ -172,7 +172,7 @@ def test_all_masked_gives_zero_loss_and_zero_gradient():
     hs, ht, W, s_mask, t_mask = hidden_batch(7)
     h = hs.clone().requires_grad_()
     for num_tokens in (0, 12):
-        loss = opsd_loss(h, torch.zeros_like(s_mask), ht, torch.zeros_like(t_mask), W, num_tokens, clip="entry")
+        loss, _ = opsd_loss(h, torch.zeros_like(s_mask), ht, torch.zeros_like(t_mask), W, num_tokens, clip="entry")
         (g,) = torch.autograd.grad(loss, h)
         assert loss.item() == 0.0 and torch.isfinite(loss)
         assert torch.equal(g, torch.zeros_like(g))
@@ -182,7 +182,7 @@ def test_teacher_and_lm_head_get_no_gradient():
     hs, ht, W, s_mask, t_mask = hidden_batch(8)
     ht.requires_grad_()
     h = hs.clone().requires_grad_()
-    opsd_loss(h, s_mask, ht, t_mask, W, 15).backward()
+    opsd_loss(h, s_mask, ht, t_mask, W, 15)[0].backward()
     assert ht.grad is None and h.grad is not None
 
 
@@ -191,3 +191,21 @@ def test_mismatched_masks_fail_early():
     t_mask[0, 0] = True
     with pytest.raises(ValueError, match="must match"):
         opsd_loss(hs, s_mask, ht, t_mask, W, 15)
+
+
+def test_diagnostics_against_float64_reference():
+    hs, ht, W, s_mask, t_mask = hidden_batch(10)
+    s_logits, t_logits = (hs @ W.T)[s_mask], (ht @ W.T)[t_mask]  # (N, V)
+    targets = torch.randint(0, W.shape[0], (s_logits.shape[0],), generator=torch.Generator().manual_seed(0))
+    tau = 0.05
+    _, stats = opsd_loss(hs, s_mask, ht, t_mask, W, 15, targets, clip="token", beta=0.5, temperature=T, tau=tau, chunk_size=4)
+    p_s, p_t = torch.softmax(s_logits.double() / T, -1), torch.softmax(t_logits.double() / T, -1)
+    entries = p_t * torch.log(p_t / p_s)
+    kl = entries.sum(-1)  # unclipped forward KL, whatever the loss's clip and beta
+    clipped_mass = (p_t * (entries > tau)).sum(-1)
+    raw_logprob = torch.log_softmax(s_logits.double(), -1).gather(-1, targets[:, None])[:, 0]  # temperature 1
+    assert stats.shape == (15, 3)
+    torch.testing.assert_close(stats[:, 0].double(), kl, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(stats[:, 1].double(), clipped_mass, atol=1e-6, rtol=1e-5)
+    torch.testing.assert_close(stats[:, 2].double(), raw_logprob, atol=1e-5, rtol=1e-6)
+    assert (clipped_mass > 0).any() and (clipped_mass < 1).all()
