@@ -533,6 +533,45 @@ def lr_at(step, *, lr, max_steps, warmup_steps=0, min_lr=0.0):
 
 
 # -----------------------------------------------------------------------------
+# One optimizer step's gradient
+
+
+def backward_step(model, lora_params, student_prompts, teacher_prompts, completions, *, pad_id, micro_batch_size,
+                  teacher, **loss_kw):
+    """Forward and backward over this rank's micro-batches, then the gradient summed over ranks.
+
+    Each micro-batch's loss is its sum of per-token divergences divided by the step's completion-token
+    count over all micro-batches and ranks, so the summed gradient equals that of one big batch.
+    Returns the step's loss (summed over ranks) and per-position diagnostics of this rank: all
+    completion positions (N, 3) and the first position of each completion (rows, 3).
+    """
+    device = lora_params[0].device
+    lm_head = model.get_output_embeddings().weight  # (V, H), frozen
+    num_tokens = int(all_reduce(torch.tensor(sum(map(len, completions)), device=device)))
+    loss_sum, stats, first = 0.0, [], []
+    for mb in range(0, len(completions), micro_batch_size):
+        rows = slice(mb, mb + micro_batch_size)
+        student_inputs, student_mask = build_batch(student_prompts[rows], completions[rows], pad_id, device)
+        teacher_inputs, teacher_mask = build_batch(teacher_prompts[rows], completions[rows], pad_id, device)
+        with torch.no_grad(), lora_disabled(model) if teacher == "base" else nullcontext():
+            teacher_hidden = final_hidden(model, teacher_inputs)  # (B, T_teacher, H)
+        student_hidden = final_hidden(model, student_inputs)  # (B, T_student, H)
+        # hidden state t predicts token t + 1: shift the completion masks by one
+        targets = student_inputs["input_ids"][:, 1:][student_mask[:, 1:]]  # (N,) the sampled tokens
+        loss, mb_stats = opsd_loss(student_hidden[:, :-1], student_mask[:, 1:], teacher_hidden[:, :-1],
+                                   teacher_mask[:, 1:], lm_head, num_tokens, targets, **loss_kw)
+        loss.backward()
+        loss_sum += loss.item()
+        stats.append(mb_stats)
+        starts = torch.tensor([0] + [len(c) for c in completions[rows]][:-1]).cumsum(0)  # first position per row
+        first.append(mb_stats[starts])
+    for p in lora_params:  # a sum, not DDP's mean: each rank's loss is already divided by the global count
+        all_reduce(p.grad)
+    loss_value = float(all_reduce(torch.tensor(loss_sum, device=device)))
+    return loss_value, torch.cat(stats), torch.cat(first)
+
+
+# -----------------------------------------------------------------------------
 # Checkpoints: written to a temporary directory and renamed, so a kill never leaves a half checkpoint
 
 
@@ -597,7 +636,6 @@ def main(argv=None):
     if args.gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model.train()  # Qwen3 has no dropout; train() only switches gradient checkpointing on
-    lm_head = model.get_output_embeddings().weight  # (V, H), tied to the embeddings in Qwen3 <= 4B
     optimizer = torch.optim.AdamW(lora_params, lr=args.lr, betas=(0.9, 0.999), weight_decay=0.0)
 
     # ---- data: every rank renders all prompts; step_indices picks each rank's shard
@@ -636,27 +674,10 @@ def main(argv=None):
         t1 = time.perf_counter()
 
         # ---- train: loss = sum over the step's completion tokens / their count across micro-batches and ranks
-        num_tokens = int(all_reduce(torch.tensor(sum(map(len, completions)), device=device)))
-        loss_sum, stats, first = 0.0, [], []
-        for mb in range(0, per_rank, args.micro_batch_size):
-            rows_mb = slice(mb, mb + args.micro_batch_size)
-            student_inputs, student_mask = build_batch(student_prompts[rows_mb], completions[rows_mb], tokenizer.pad_token_id, device)
-            teacher_inputs, teacher_mask = build_batch(teacher_prompts[rows_mb], completions[rows_mb], tokenizer.pad_token_id, device)
-            with torch.no_grad(), lora_disabled(model) if args.teacher == "base" else nullcontext():
-                teacher_hidden = final_hidden(model, teacher_inputs)  # (B, T_teacher, H)
-            student_hidden = final_hidden(model, student_inputs)  # (B, T_student, H)
-            # hidden state t predicts token t + 1: shift the completion masks by one
-            targets = student_inputs["input_ids"][:, 1:][student_mask[:, 1:]]  # (N,) the sampled tokens
-            loss, mb_stats = opsd_loss(student_hidden[:, :-1], student_mask[:, 1:], teacher_hidden[:, :-1],
-                                       teacher_mask[:, 1:], lm_head, num_tokens, targets, **loss_kw)
-            loss.backward()
-            loss_sum += loss.item()
-            stats.append(mb_stats)
-            first.append(mb_stats[torch.tensor([0] + [len(c) for c in completions[rows_mb]][:-1]).cumsum(0)])
-        for p in lora_params:  # sum, not mean: each rank's loss is already divided by the global token count
-            all_reduce(p.grad)
+        loss_value, stats, first = backward_step(model, lora_params, student_prompts, teacher_prompts, completions,
+                                                 pad_id=tokenizer.pad_token_id, micro_batch_size=args.micro_batch_size,
+                                                 teacher=args.teacher, **loss_kw)
         grad_norm = torch.nn.utils.clip_grad_norm_(lora_params, args.max_grad_norm).item()
-        loss_value = float(all_reduce(torch.tensor(loss_sum, device=device)))
         if not (math.isfinite(loss_value) and math.isfinite(grad_norm)):
             last = latest_checkpoint(out_dir)
             raise SystemExit(f"step {step + 1}: non-finite loss ({loss_value}) or gradient norm ({grad_norm}); "
@@ -674,7 +695,6 @@ def main(argv=None):
 
         # ---- diagnostics, summed over ranks: [tokens, kl, positions above tau, clipped mass,
         #      first-token kl, first tokens, |gap|]; and the max |gap|
-        stats, first = torch.cat(stats), torch.cat(first)
         gap = (stats[:, 2] - torch.tensor([lp for lps in sampler_logprobs for lp in lps], device=device)).abs()
         sums = all_reduce(torch.stack([torch.tensor(float(len(stats)), device=device), stats[:, 0].sum(),
                                        (stats[:, 0] > args.tau).sum().float(), stats[:, 1].sum(), first[:, 0].sum(),

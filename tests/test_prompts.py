@@ -1,0 +1,98 @@
+# python -m pytest tests/test_prompts.py -q
+"""Prompts and data: the released recipe's strings (written out here by hand), loading, dropping, order."""
+
+import json
+
+import pytest
+from transformers import AutoTokenizer
+
+import opsd
+
+PROBLEM, SOLUTION = "What is 17 + 25?", "10 + 20 = 30 and 7 + 5 = 12, so \\boxed{42}."
+
+# METHOD.md section 2, typed out independently of opsd.py
+EXPECTED_STUDENT = ("Problem: What is 17 + 25?\n\n"
+                    "Please reason step by step, and put your final answer within \\boxed{}.")
+EXPECTED_TEACHER = (
+    "Problem: What is 17 + 25?\n\n"
+    "Here is a reference solution to this problem:\n"
+    "=== Reference Solution Begin ===\n10 + 20 = 30 and 7 + 5 = 12, so \\boxed{42}.\n=== Reference Solution End ===\n"
+    "\n\nAfter reading the reference solution above, make sure you truly understand the reasoning behind each step "
+    "\u2014 do not copy or paraphrase it. Now, using your own words and independent reasoning, derive the same final "
+    "answer to the problem above. Think step by step, explore different approaches, and don't be afraid to backtrack "
+    "or reconsider if something doesn't work out:\n"
+    "\n"
+    "Please reason step by step, and put your final answer within \\boxed{}."
+)
+
+
+@pytest.fixture(scope="module")
+def tok(tiny_model_dir):
+    return AutoTokenizer.from_pretrained(tiny_model_dir)
+
+
+def test_messages_are_the_released_strings():
+    assert opsd.student_message(PROBLEM) == EXPECTED_STUDENT
+    assert opsd.teacher_message(PROBLEM, SOLUTION) == EXPECTED_TEACHER
+
+
+def test_rendered_prompts_and_thinking_flags(tok):
+    student = tok.decode(opsd.render(tok, opsd.student_message(PROBLEM), thinking=False))
+    teacher = tok.decode(opsd.render(tok, opsd.teacher_message(PROBLEM, SOLUTION), thinking=True))
+    assert student == f"<|im_start|>user\n{EXPECTED_STUDENT}<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\n"
+    assert teacher == f"<|im_start|>user\n{EXPECTED_TEACHER}<|im_end|>\n<|im_start|>assistant\n"
+    # the flags switch: a thinking student ends at assistant\n, a non-thinking teacher with the empty think block
+    assert tok.decode(opsd.render(tok, EXPECTED_STUDENT, thinking=True)).endswith("<|im_start|>assistant\n")
+    assert tok.decode(opsd.render(tok, EXPECTED_TEACHER, thinking=False)).endswith("assistant\n<think>\n\n</think>\n\n")
+    # privileged information reaches the teacher only
+    assert SOLUTION in teacher and SOLUTION not in student and "Reference Solution" not in student
+
+
+def write_jsonl(path, rows):
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return str(path)
+
+
+def test_load_rows_local_files_and_context_column(tmp_path):
+    rows = [{"problem": f"p{i}", "solution": f"s{i}", "COT_Reason": f"long trace {i}"} for i in range(3)]
+    jsonl = write_jsonl(tmp_path / "d.jsonl", rows)
+    assert opsd.load_rows(jsonl, "train", "problem", "solution") == [("p0", "s0"), ("p1", "s1"), ("p2", "s2")]
+    assert opsd.load_rows(jsonl, "train", "problem", "COT_Reason")[1] == ("p1", "long trace 1")
+    import pandas as pd
+
+    pd.DataFrame(rows).to_parquet(tmp_path / "d.parquet")
+    assert opsd.load_rows(str(tmp_path / "d.parquet"), "train", "problem", "solution")[2] == ("p2", "s2")
+
+
+def test_missing_column_names_it_and_the_columns_that_exist(tmp_path):
+    path = write_jsonl(tmp_path / "d.jsonl", [{"problem": "p", "answer": "1"}])
+    with pytest.raises(SystemExit, match=r"no column 'solution'; its columns are \['problem', 'answer'\]"):
+        opsd.load_rows(path, "train", "problem", "solution")
+    bad = tmp_path / "d.csv"
+    bad.write_text("problem,solution\n")
+    with pytest.raises(SystemExit, match="must be .json, .jsonl or .parquet"):
+        opsd.load_rows(str(bad), "train", "problem", "solution")
+
+
+def test_long_rows_are_dropped_and_counted(tok, capsys):
+    rows = [("short", "s"), ("short too", "t"), ("long", "word " * 400)]
+    limit = len(opsd.render(tok, opsd.teacher_message("short too", "t"), True)) + 5
+    prompts = opsd.build_prompts(tok, rows, student_thinking=False, teacher_thinking=True, max_prompt_length=limit)
+    assert len(prompts) == 2 and "1 dropped" in capsys.readouterr().out
+    student, teacher = prompts[0]
+    assert student == opsd.render(tok, opsd.student_message("short"), False)
+    assert teacher == opsd.render(tok, opsd.teacher_message("short", "s"), True)
+    with pytest.raises(SystemExit, match="No row fits --max-prompt-length 10"):
+        opsd.build_prompts(tok, rows, student_thinking=False, teacher_thinking=True, max_prompt_length=10)
+
+
+def test_data_order_shards_epochs_and_seed():
+    n, per_step = 10, 4
+    steps = [opsd.step_indices(s, per_step, n, seed=42) for s in range(5)]  # 20 positions = 2 epochs
+    stream = [i for s in steps for i in s]
+    assert sorted(stream[:10]) == list(range(10)) and sorted(stream[10:]) == list(range(10))  # each epoch covers all
+    assert stream[:10] != stream[10:]  # reshuffled per epoch
+    assert steps[0] == opsd.step_indices(0, per_step, n, seed=42)  # a function of (seed, step) only
+    assert steps[0] != opsd.step_indices(0, per_step, n, seed=43)
+    # two ranks take disjoint halves of a step's prompts
+    assert len(set(steps[1][:2]) | set(steps[1][2:])) == 4
