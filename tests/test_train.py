@@ -1,0 +1,183 @@
+# python -m pytest tests/test_train.py -q
+"""The training loop: gradient equivalence across ranks and micro-batches, end-to-end torchrun runs on CPU
+with the real vLLM (float32), a SIGKILL and resume that ends on the same adapter, and early errors."""
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from safetensors.torch import load_file
+from transformers import AutoModelForCausalLM
+
+import opsd
+
+ROOT = Path(__file__).resolve().parent.parent
+DATA = ROOT / "tests" / "data" / "math_train.jsonl"
+KEYS = {"step", "loss", "lr", "grad_norm", "kl_mean", "kl_frac_above_tau", "logprob_gap_mean", "logprob_gap_max",
+        "completion_len_mean", "time_sample", "time_train", "time_push"}
+
+# four rows of different prompt and completion lengths; teacher prompts are longer
+STUDENT = [[1, 89, 87, 266, 203], [1, 307, 265], [1, 285, 15, 22, 35, 2, 203], [1, 359, 87]]
+TEACHER = [p + [300 + i] * (4 + 2 * i) for i, p in enumerate(STUDENT)]
+COMPLETIONS = [[40, 41, 42, 43, 2], [50, 51], [60, 61, 62, 63, 64, 65, 66, 2], [70, 71, 72]]
+
+
+def lora_model(model_dir):
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    torch.manual_seed(0)
+    params = opsd.add_lora(model, r=8, alpha=16)
+    g = torch.Generator().manual_seed(1)
+    with torch.no_grad():  # nonzero B, so A gets a gradient too
+        for m in opsd.lora_layers(model).values():
+            m.lora_B.copy_(torch.randn(m.lora_B.shape, generator=g) * 0.1)
+    return model, params
+
+
+def step_gradients(model_dir, rows, micro_batch_size):
+    model, params = lora_model(model_dir)
+    loss, _, _ = opsd.backward_step(model, params, [STUDENT[i] for i in rows], [TEACHER[i] for i in rows],
+                                    [COMPLETIONS[i] for i in rows], pad_id=0, micro_batch_size=micro_batch_size,
+                                    teacher="base", temperature=1.1, clip="token", tau=0.05)
+    return loss, [p.grad.clone() for p in params]
+
+
+def rank_worker(rank, model_dir, port, out_dir):
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    loss, grads = step_gradients(model_dir, rows=[2 * rank, 2 * rank + 1], micro_batch_size=1)
+    torch.save({"loss": loss, "grads": grads}, Path(out_dir) / f"rank{rank}.pt")
+    dist.destroy_process_group()
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_two_ranks_two_micro_batches_equal_one_big_batch(tiny_model_dir, tmp_path):
+    ref_loss, ref_grads = step_gradients(tiny_model_dir, rows=[0, 1, 2, 3], micro_batch_size=4)
+    mp.spawn(rank_worker, args=(tiny_model_dir, free_port(), str(tmp_path)), nprocs=2)
+    for rank in range(2):
+        got = torch.load(tmp_path / f"rank{rank}.pt")
+        assert got["loss"] == pytest.approx(ref_loss, rel=1e-5)
+        for g, ref in zip(got["grads"], ref_grads):
+            torch.testing.assert_close(g, ref, atol=1e-5, rtol=1e-4)
+    assert max(g.abs().max() for g in ref_grads) > 1e-3
+    # a per-micro-batch mean (the released recipe's normalisation) would not match
+    _, mean_of_parts = step_gradients(tiny_model_dir, rows=[0], micro_batch_size=1)
+    assert not torch.allclose(mean_of_parts[0], ref_grads[0], atol=1e-5)
+
+
+# -- end to end ----------------------------------------------------------------------------------
+
+
+def opsd_command(model_dir, out_dir, *extra, nproc=2):
+    launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
+    return launcher + [str(ROOT / "opsd.py"), "--model", model_dir, "--dataset", str(DATA), "--device", "cpu",
+                       "--dtype", "float32", "--prompts-per-step", "4", "--micro-batch-size", "1",
+                       "--max-new-tokens", "32", "--output-dir", str(out_dir), "--log-rollouts-every", "2", *extra]
+
+
+def run(cmd, timeout=300):
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=ROOT)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return proc.stdout
+
+
+def metrics(out_dir):
+    return [json.loads(line) for line in (Path(out_dir) / "metrics.jsonl").read_text().splitlines()]
+
+
+@pytest.fixture(scope="module")
+def entry_run(tiny_model_dir, tmp_path_factory):
+    out = tmp_path_factory.mktemp("entry")
+    stdout = run(opsd_command(tiny_model_dir, out, "--clip", "entry", "--max-steps", "5", "--save-every", "2"))
+    return out, stdout
+
+
+@pytest.mark.parametrize("clip", ["entry", "token"])
+def test_end_to_end_under_torchrun(clip, entry_run, tiny_model_dir, tmp_path):
+    if clip == "entry":
+        out, stdout = entry_run
+    else:
+        out = tmp_path / "token"
+        stdout = run(opsd_command(tiny_model_dir, out, "--clip", "token", "--max-steps", "3"))
+    records = metrics(out)
+    assert [r["step"] for r in records] == list(range(1, len(records) + 1)) and len(records) >= 3
+    for r in records:
+        assert KEYS <= set(r)
+        assert all(torch.isfinite(torch.tensor(float(r[k]))) for k in KEYS)
+        # sampler and trainer agree on every sampled token: padding, positions and pushes are right
+        assert r["logprob_gap_max"] <= 1e-3
+        assert r["lr"] > 0 and r["completion_len_mean"] > 0
+    if clip == "token":  # the token clip's value is min(k, tau) per position, so its mean is at most tau
+        assert all(r["loss"] <= 0.05 + 1e-6 for r in records)
+    step_lines = [line for line in stdout.splitlines() if line.startswith("step ")]
+    assert len(step_lines) == len(records) and "kl" in step_lines[0] and "push" in step_lines[0]
+    assert (out / "rollouts.jsonl").exists()
+    # the final adapter loads back into the model (and vLLM's loader reads it: see test_lora.py)
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+    opsd.add_lora(model, r=64, alpha=128)
+    opsd.load_adapter(model, out / "final")
+    assert any(m.lora_B.abs().max() > 0 for m in opsd.lora_layers(model).values())
+
+
+def test_sigkill_after_a_checkpoint_then_resume_gives_the_same_adapter(entry_run, tiny_model_dir, tmp_path):
+    reference, _ = entry_run
+    out = tmp_path / "killed"
+    cmd = opsd_command(tiny_model_dir, out, "--clip", "entry", "--max-steps", "5", "--save-every", "2")
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    deadline = time.time() + 300
+    while not (out / "checkpoint-2" / "trainer_state.pt").exists():
+        assert proc.poll() is None and time.time() < deadline, "the run ended before writing checkpoint-2"
+        time.sleep(0.05)
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    assert not (out / "final").exists(), "the kill came too late to test anything"
+
+    run(cmd + ["--resume"])
+    assert [r["step"] for r in metrics(out)] == [1, 2, 3, 4, 5]  # steps after the checkpoint are not doubled
+    resumed = load_file(out / "final" / "adapter_model.safetensors")
+    uninterrupted = load_file(reference / "final" / "adapter_model.safetensors")
+    assert resumed.keys() == uninterrupted.keys()
+    for k in resumed:
+        assert torch.equal(resumed[k], uninterrupted[k]), k
+
+
+def test_bad_setups_fail_early_with_one_sentence(tiny_model_dir, entry_run, tmp_path):
+    out, _ = entry_run
+    cases = [
+        (["--prompts-per-step", "6", "--micro-batch-size", "4", "--output-dir", str(tmp_path / "a")],
+         "must be divisible by ranks x --micro-batch-size"),
+        (["--output-dir", str(out)], "already holds checkpoints: pass --resume"),
+        (["--context-column", "COT_Reason", "--output-dir", str(tmp_path / "b")], "no column 'COT_Reason'"),
+        (["--warmup-steps", "10", "--max-steps", "5"], "--warmup-steps must lie in"),
+    ]
+    base = [sys.executable, str(ROOT / "opsd.py"), "--model", tiny_model_dir, "--dataset", str(DATA), "--device", "cpu"]
+    for extra, message in cases:
+        proc = subprocess.run(base + extra, capture_output=True, text=True, timeout=120, cwd=ROOT)
+        assert proc.returncode != 0 and message in proc.stderr, (extra, proc.stderr[-2000:])
+        assert "Traceback" not in proc.stderr
+
+
+def test_non_finite_loss_stops_the_run_and_keeps_the_checkpoint(tiny_model_dir, tmp_path):
+    # lr 1e30 blows the weights up in one step; step 2's loss is then NaN
+    cmd = [sys.executable, str(ROOT / "opsd.py"), "--model", tiny_model_dir, "--dataset", str(DATA), "--device", "cpu",
+           "--dtype", "float32", "--prompts-per-step", "2", "--micro-batch-size", "2", "--max-new-tokens", "16",
+           "--max-steps", "3", "--save-every", "1", "--lr", "1e30", "--output-dir", str(tmp_path)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert proc.returncode != 0
+    assert "step 2: non-finite loss" in proc.stderr and "checkpoint-1" in proc.stderr
+    assert not (tmp_path / "checkpoint-2").exists() and not (tmp_path / "final").exists()
+    state = torch.load(tmp_path / "checkpoint-1" / "trainer_state.pt", weights_only=True)
+    assert state["step"] == 1
+    assert all(torch.isfinite(t).all() for t in load_file(tmp_path / "checkpoint-1" / "adapter_model.safetensors").values())
