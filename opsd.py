@@ -210,8 +210,10 @@ def lora_disabled(model):
 
 @torch.no_grad()
 def merged_weights(model):
-    """[(HF parameter name, merged weight)] for every LoRA layer, ready to push into vLLM."""
-    return [(f"{name}.weight", m.merged_weight()) for name, m in lora_layers(model).items()]
+    """Yield (HF parameter name, merged weight) per LoRA layer, ready to push into vLLM. A generator:
+    a push holds one merged matrix at a time, never a second copy of the model."""
+    for name, m in lora_layers(model).items():
+        yield f"{name}.weight", m.merged_weight()
 
 
 # Adapters are stored in PEFT's on-disk layout so PEFT, vLLM's LoRA loader and eval.py read them.
@@ -378,14 +380,14 @@ def final_hidden(model, inputs):
 # Rollout with vLLM: one engine per rank, sampling from token ids, weights pushed in place
 
 
-def start_engine(args, world_size, device):
+def start_engine(args, rank, world_size, device):
     from vllm import LLM
 
     extra = {"gpu_memory_utilization": args.vllm_memory} if device.type == "cuda" else {}
     return LLM(
         model=args.model,
         dtype=args.dtype,
-        seed=args.seed,
+        seed=args.seed + rank,  # every request carries its own seed; this only keeps unseeded ones apart
         max_model_len=args.max_prompt_length + args.max_new_tokens,
         enforce_eager=device.type == "cpu",
         # under torchrun every rank runs its own tensor-parallel-1 engine inside its own process
@@ -468,13 +470,14 @@ def divergence_stats(student_logits, teacher_logits, targets, *, temperature, ta
     kl: unclipped KL(p_T || p_S); clipped_mass: teacher mass on entries the entry clip clamps
     (p_T(v) (log p_T(v) - log p_S(v)) > tau); logprob: the student's raw log-prob of the sampled
     token (temperature 1, vLLM's convention), for the sampler/trainer gap."""
-    log_s = F.log_softmax(student_logits.float() / temperature, dim=-1)
+    raw = student_logits.float()
+    logprob = raw.gather(-1, targets[:, None])[:, 0] - raw.logsumexp(-1)  # (C,)
+    log_s = F.log_softmax(raw / temperature, dim=-1)
     log_t = F.log_softmax(teacher_logits.float() / temperature, dim=-1)
     p_t = log_t.exp()
-    d = p_t * (log_t - log_s)  # (C, V)
-    raw = student_logits.float()
-    logprob = raw.gather(-1, targets[:, None])[:, 0] - raw.logsumexp(-1)
-    return torch.stack([d.sum(-1), (p_t * (d > tau)).sum(-1), logprob], dim=-1)  # (C, 3)
+    d = log_t.sub_(log_s).mul_(p_t)  # (C, V) p_T(v) (log p_T(v) - log p_S(v)), in place: this runs per chunk
+    kl, clipped_mass = d.sum(-1), p_t.mul_(d > tau).sum(-1)
+    return torch.stack([kl, clipped_mass, logprob], dim=-1)  # (C, 3)
 
 
 def opsd_loss(student_hidden, student_mask, teacher_hidden, teacher_mask, lm_head_weight, num_tokens,
@@ -587,9 +590,10 @@ def save_atomically(final_dir, write):
 def save_checkpoint(out_dir, step, model, optimizer, args):
     def write(tmp):
         save_adapter(model, tmp, args.model)
-        # the data order and every sampling seed are functions of (seed, step): the step is the data position
-        torch.save({"step": step, "optimizer": optimizer.state_dict(), "torch_rng": torch.get_rng_state()},
-                   tmp / "trainer_state.pt")
+        # the data order and every sampling seed are functions of (seed, step), so the step fixes the data
+        # position; the RNG state is kept for completeness (nothing draws from it after the LoRA init)
+        torch.save({"step": step, "data_position": step * args.prompts_per_step, "optimizer": optimizer.state_dict(),
+                    "torch_rng": torch.get_rng_state()}, tmp / "trainer_state.pt")
     save_atomically(out_dir / f"checkpoint-{step}", write)
 
 
@@ -621,14 +625,22 @@ def main(argv=None):
     resume_from = latest_checkpoint(out_dir) if args.resume else None
     if not args.resume and latest_checkpoint(out_dir):
         raise SystemExit(f"{out_dir} already holds checkpoints: pass --resume, or choose another --output-dir.")
-    # vLLM: the engine in this process (its worker is then reachable for weight pushes); a small CPU KV cache
+    # vLLM: the engine in this process (its worker is then reachable for weight pushes); quiet, because each
+    # push of the seven projections logs a warning for every layer it leaves alone; a small CPU KV cache
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
     if device.type == "cpu":
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    # ---- model + LoRA: the same seed on every rank gives every rank the same LoRA init
+    # ---- data first, so a bad column or length limit fails before the model loads. Every rank renders
+    #      all prompts; step_indices picks each rank's shard of each step
     tokenizer = AutoTokenizer.from_pretrained(args.model)
+    rows = load_rows(args.dataset, args.dataset_split, args.problem_column, args.context_column)
+    prompts = build_prompts(tokenizer, rows, student_thinking=args.student_thinking,
+                            teacher_thinking=args.teacher_thinking, max_prompt_length=args.max_prompt_length)
+
+    # ---- model + LoRA: the same seed on every rank gives every rank the same LoRA init
     dtype = getattr(torch, args.dtype)
     model = AutoModelForCausalLM.from_pretrained(args.model, dtype=dtype).to(device)
     torch.manual_seed(args.seed)
@@ -638,13 +650,8 @@ def main(argv=None):
     model.train()  # Qwen3 has no dropout; train() only switches gradient checkpointing on
     optimizer = torch.optim.AdamW(lora_params, lr=args.lr, betas=(0.9, 0.999), weight_decay=0.0)
 
-    # ---- data: every rank renders all prompts; step_indices picks each rank's shard
-    rows = load_rows(args.dataset, args.dataset_split, args.problem_column, args.context_column)
-    prompts = build_prompts(tokenizer, rows, student_thinking=args.student_thinking,
-                            teacher_thinking=args.teacher_thinking, max_prompt_length=args.max_prompt_length)
-
     # ---- vLLM engine (a collective step: all ranks build theirs together)
-    llm = start_engine(args, world_size, device)
+    llm = start_engine(args, rank, world_size, device)
     start_step = 0
     if resume_from:
         load_adapter(model, resume_from)
@@ -693,26 +700,28 @@ def main(argv=None):
         time_push = push_weights(llm, model)
         t3 = time.perf_counter()
 
-        # ---- diagnostics, summed over ranks: [tokens, kl, positions above tau, clipped mass,
-        #      first-token kl, first tokens, |gap|]; and the max |gap|
-        gap = (stats[:, 2] - torch.tensor([lp for lps in sampler_logprobs for lp in lps], device=device)).abs()
-        sums = all_reduce(torch.stack([torch.tensor(float(len(stats)), device=device), stats[:, 0].sum(),
-                                       (stats[:, 0] > args.tau).sum().float(), stats[:, 1].sum(), first[:, 0].sum(),
-                                       torch.tensor(float(len(first)), device=device), gap.sum()]))
+        # ---- diagnostics (METHOD.md section 7): sums over ranks, averaged over the most recent steps that
+        #      cover at least --kl-window completion tokens
+        kl = stats[:, 0]  # unclipped KL(T||S) per position
+        gap = (stats[:, 2] - torch.tensor(sum(sampler_logprobs, []), device=device)).abs()  # |sampler - trainer|
+        local = {"tokens": len(kl), "kl": kl.sum(), "above_tau": (kl > args.tau).sum(), "clipped_mass": stats[:, 1].sum(),
+                 "first_kl": first[:, 0].sum(), "first_tokens": len(first), "gap": gap.sum()}
+        totals = all_reduce(torch.tensor([float(v) for v in local.values()], device=device)).tolist()
+        sums = dict(zip(local, totals))
         gap_max = float(all_reduce(gap.max(), dist.ReduceOp.MAX if dist.is_initialized() else None))
         window.append(sums)
-        while len(window) > 1 and sum(w[0] for w in list(window)[1:]) >= args.kl_window:
+        while len(window) > 1 and sum(w["tokens"] for w in list(window)[1:]) >= args.kl_window:
             window.popleft()
-        w = torch.stack(list(window)).sum(0)
+        w = {k: sum(step_sums[k] for step_sums in window) for k in sums}
         record = {
             "step": step + 1, "loss": loss_value, "lr": lr, "grad_norm": grad_norm,
-            "kl_mean": float(w[1] / w[0]), "kl_frac_above_tau": float(w[2] / w[0]),
-            "kl_clipped_teacher_mass": float(w[3] / w[0]), "kl_first_token": float(w[4] / w[5]),
-            "kl_window_tokens": int(w[0]),
-            "logprob_gap_mean": float(sums[6] / sums[0]), "logprob_gap_max": gap_max,
-            "completion_len_mean": float(sums[0] / args.prompts_per_step),
+            "kl_mean": w["kl"] / w["tokens"], "kl_frac_above_tau": w["above_tau"] / w["tokens"],
+            "kl_clipped_teacher_mass": w["clipped_mass"] / w["tokens"], "kl_first_token": w["first_kl"] / w["first_tokens"],
+            "kl_window_tokens": int(w["tokens"]),
+            "logprob_gap_mean": sums["gap"] / sums["tokens"], "logprob_gap_max": gap_max,
+            "completion_len_mean": sums["tokens"] / args.prompts_per_step,
             "time_sample": t1 - t0, "time_train": t2 - t1, "time_push": time_push,
-            "tokens_per_second": float(sums[0]) / (t3 - t0),
+            "tokens_per_second": sums["tokens"] / (t3 - t0),
         }
         if is_main:
             print(f"step {step + 1:4d}/{args.max_steps} | loss {loss_value:.4f} | lr {lr:.2e} | grad {grad_norm:.4f} | "
@@ -721,7 +730,7 @@ def main(argv=None):
                   f"{record['tokens_per_second']:.0f} tok/s | gap {record['logprob_gap_mean']:.1e}/{gap_max:.1e}", flush=True)
             with open(out_dir / "metrics.jsonl", "a") as f:
                 f.write(json.dumps(record) + "\n")
-            if args.log_rollouts_every and (step + 1) % args.log_rollouts_every == 0:
+            if args.log_rollouts_every and (step + 1) % args.log_rollouts_every == 0:  # rank 0's share
                 with open(out_dir / "rollouts.jsonl", "a") as f:
                     for j, completion in zip(mine, completions):
                         f.write(json.dumps({"step": step + 1, "prompt_index": indices[j], "tokens": len(completion),
@@ -738,9 +747,10 @@ def main(argv=None):
     if is_main:
         save_atomically(out_dir / "final", lambda tmp: save_adapter(model, tmp, args.model))
         print(f"final adapter -> {out_dir / 'final'}")
-    del llm
     if dist.is_initialized():
         dist.barrier()
+    del llm  # shutting the engine down also destroys the default process group
+    if dist.is_initialized():
         dist.destroy_process_group()
 
 

@@ -87,7 +87,7 @@ def test_switching_lora_off_gives_base_logits_and_leaves_base_untouched(tiny_mod
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
     model(IDS).logits.square().mean().backward()
     opt.step()
-    merged_weights(model)
+    list(merged_weights(model))
     with lora_disabled(model):
         assert torch.equal(logits(model), base)
     assert not torch.equal(logits(model), base)  # switched back on afterwards

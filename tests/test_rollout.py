@@ -18,7 +18,7 @@ def args(tiny_model_dir):
 
 @pytest.fixture(scope="module")
 def llm(args):
-    return opsd.start_engine(args, world_size=1, device=torch.device("cpu"))
+    return opsd.start_engine(args, rank=0, world_size=1, device=torch.device("cpu"))
 
 
 def lora_model(model_dir, seed):

@@ -110,7 +110,7 @@ def test_end_to_end_under_torchrun(clip, entry_run, tiny_model_dir, tmp_path):
         out, stdout = entry_run
     else:
         out = tmp_path / "token"
-        stdout = run(opsd_command(tiny_model_dir, out, "--clip", "token", "--max-steps", "3"))
+        stdout = run(opsd_command(tiny_model_dir, out, "--clip", "token", "--max-steps", "3", "--kl-window", "1"))
     records = metrics(out)
     assert [r["step"] for r in records] == list(range(1, len(records) + 1)) and len(records) >= 3
     for r in records:
@@ -119,8 +119,14 @@ def test_end_to_end_under_torchrun(clip, entry_run, tiny_model_dir, tmp_path):
         # sampler and trainer agree on every sampled token: padding, positions and pushes are right
         assert r["logprob_gap_max"] <= 1e-3
         assert r["lr"] > 0 and r["completion_len_mean"] > 0
-    if clip == "token":  # the token clip's value is min(k, tau) per position, so its mean is at most tau
-        assert all(r["loss"] <= 0.05 + 1e-6 for r in records)
+    step_tokens = [r["completion_len_mean"] * 4 for r in records]  # 4 prompts per step over both ranks
+    if clip == "token":
+        # the token clip's value is min(k, tau) per position: its mean is at most tau and at most the mean KL,
+        # which a one-token window computes over exactly this step's tokens
+        assert all(r["loss"] <= min(0.05, r["kl_mean"]) + 1e-6 for r in records)
+        assert [r["kl_window_tokens"] for r in records] == step_tokens
+    else:  # the default 20,000-token window has not filled up yet: it covers every step so far
+        assert [r["kl_window_tokens"] for r in records] == [sum(step_tokens[:i + 1]) for i in range(len(records))]
     step_lines = [line for line in stdout.splitlines() if line.startswith("step ")]
     assert len(step_lines) == len(records) and "kl" in step_lines[0] and "push" in step_lines[0]
     assert (out / "rollouts.jsonl").exists()
