@@ -13,7 +13,7 @@ SEQUENCE = [1, 89, 87, 266, 203, 307, 265, 285, 15, 22, 35, 2, 203, 1, 359, 87, 
 @pytest.fixture(scope="module")
 def args(tiny_model_dir):
     return opsd.parse_args(["--model", tiny_model_dir, "--dtype", "float32", "--device", "cpu",
-                            "--max-new-tokens", "24", "--max-prompt-length", "256"])
+                            "--max-new-tokens", "24", "--max-prompt-length", "1000"])
 
 
 @pytest.fixture(scope="module")
@@ -71,11 +71,14 @@ def test_push_puts_the_merged_lora_model_into_the_running_engine(llm, tiny_model
 
 def test_gap_is_zero_on_a_real_rollout_right_after_a_push(llm, args, tiny_model_dir):
     tok = AutoTokenizer.from_pretrained(tiny_model_dir)
+    # long prompts: the prefix cache only keeps whole KV blocks
+    problems = ["What is 17 + 25? " * 40, "Compute 2^{10}. " * 50, "How many edges does a cube have? " * 30]
+    prompts = [opsd.render(tok, opsd.student_message(p), False) for p in problems]
+    assert min(map(len, prompts)) > 250
+    teacher_prompts = [opsd.render(tok, opsd.teacher_message(p, "a solution"), True) for p in problems]
+    opsd.sample(llm, prompts, seeds=[1, 2, 3], args=args)  # fills the prefix cache with the old weights' KV
     model = lora_model(tiny_model_dir, seed=3)
     opsd.push_weights(llm, model)
-    problems = ["What is 17 + 25?", "Compute 2^{10}.", "How many edges does a cube have?"]
-    prompts = [opsd.render(tok, opsd.student_message(p), False) for p in problems]
-    teacher_prompts = [opsd.render(tok, opsd.teacher_message(p, "a solution"), True) for p in problems]
     completions, sampler = opsd.sample(llm, prompts, seeds=[11, 12, 13], args=args)
     assert [len(c) for c in completions] == [len(s) for s in sampler] and sum(map(len, completions)) > 30
     # the trainer's log-probs of the same tokens, through the training code path (left-padded micro-batches)
