@@ -3,6 +3,8 @@ On-Policy Self-Distillation (OPSD) for LLM reasoning, in one file.
 
     torchrun --nproc_per_node 4 opsd.py --clip token        # Qwen3-1.7B, the released recipe's budget
     python opsd.py --model DIR --dataset FILE.jsonl ...      # one process, no torchrun
+    torchrun --nproc_per_node 2 opsd.py --model runs/tiny-qwen3 --dataset tests/data/math_train.jsonl \\
+        --device cpu --dtype float32 --max-steps 5 --prompts-per-step 8 --micro-batch-size 2   # CPU quickstart
 
 One model plays two roles. The student sees only the problem; the teacher is the same network
 whose prompt also holds a reference solution. Each optimizer step:
@@ -12,7 +14,7 @@ whose prompt also holds a reference solution. Each optimizer step:
      full-vocabulary forward KL at every answer position; only LoRA weights train,
   4. the merged LoRA weights are pushed into the running vLLM engine in place.
 
-Departures from the released recipe (each fixes a problem it has; the flags reproduce it otherwise):
+Departures from the released recipe (METHOD.md section 6 lists the problems they fix):
   1. Left padding with positions from the attention mask: every answer token is scored at the
      position vLLM sampled it at (the released code right-pads prompts, shifting RoPE positions).
   2. Prompts reach vLLM as token ids, never decoded and re-encoded.
@@ -597,6 +599,10 @@ def save_checkpoint(out_dir, step, model, optimizer, args):
     save_atomically(out_dir / f"checkpoint-{step}", write)
 
 
+# settings a resumed run must share with the run it continues (the data order and seeds depend on them)
+RESUME_KEYS = ("model", "dataset", "problem_column", "context_column", "seed", "prompts_per_step", "lora_r", "lora_alpha")
+
+
 def latest_checkpoint(out_dir):
     steps = [int(d.name.split("-")[1]) for d in Path(out_dir).glob("checkpoint-*") if (d / "trainer_state.pt").is_file()]
     return Path(out_dir) / f"checkpoint-{max(steps)}" if steps else None
@@ -625,6 +631,11 @@ def main(argv=None):
     resume_from = latest_checkpoint(out_dir) if args.resume else None
     if not args.resume and latest_checkpoint(out_dir):
         raise SystemExit(f"{out_dir} already holds checkpoints: pass --resume, or choose another --output-dir.")
+    if resume_from:
+        saved = json.loads((out_dir / "args.json").read_text())
+        changed = [k for k in RESUME_KEYS if saved.get(k) != getattr(args, k)]
+        if changed:
+            raise SystemExit(f"--resume with other {', '.join(changed)} than the run in {out_dir}: use the same flags.")
     # vLLM: the engine in this process (its worker is then reachable for weight pushes); quiet, because each
     # push of the seven projections logs a warning for every layer it leaves alone; a small CPU KV cache
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")

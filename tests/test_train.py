@@ -167,6 +167,8 @@ def test_bad_setups_fail_early_with_one_sentence(tiny_model_dir, entry_run, tmp_
         (["--output-dir", str(out)], "already holds checkpoints: pass --resume"),
         (["--context-column", "COT_Reason", "--output-dir", str(tmp_path / "b")], "no column 'COT_Reason'"),
         (["--warmup-steps", "10", "--max-steps", "5"], "--warmup-steps must lie in"),
+        (["--output-dir", str(out), "--resume", "--prompts-per-step", "4", "--seed", "7"],
+         "--resume with other seed than the run in"),
     ]
     base = [sys.executable, str(ROOT / "opsd.py"), "--model", tiny_model_dir, "--dataset", str(DATA), "--device", "cpu"]
     for extra, message in cases:
