@@ -69,7 +69,7 @@ def parse_args(argv=None):
     g.add_argument("--teacher-thinking", action=argparse.BooleanOptionalAction, default=True,
                    help="enable_thinking in the teacher's chat template")
     g.add_argument("--max-prompt-length", type=int, default=2048,
-                   help="rows whose teacher prompt has more tokens are dropped at load time")
+                   help="rows whose student or teacher prompt has more tokens are dropped at load time")
     g = p.add_argument_group("sampling (vLLM)")
     g.add_argument("--max-new-tokens", type=int, default=1024, help="answer length limit")
     g.add_argument("--temperature", type=float, default=1.1, help="sampling temperature")
@@ -600,7 +600,8 @@ def save_checkpoint(out_dir, step, model, optimizer, args):
 
 
 # settings a resumed run must share with the run it continues (the data order and seeds depend on them)
-RESUME_KEYS = ("model", "dataset", "problem_column", "context_column", "seed", "prompts_per_step", "lora_r", "lora_alpha")
+RESUME_KEYS = ("model", "dataset", "dataset_split", "problem_column", "context_column", "max_prompt_length", "seed",
+               "prompts_per_step", "lora_r", "lora_alpha")
 
 
 def latest_checkpoint(out_dir):
@@ -678,6 +679,7 @@ def main(argv=None):
         for name in ("metrics.jsonl", "rollouts.jsonl"):
             truncate_log(out_dir / name, start_step)
     loss_kw = dict(beta=args.beta, temperature=args.loss_temperature, clip=args.clip, tau=args.tau)
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id  # pads are masked
     window = deque()  # per-step diagnostic sums, newest last, covering at least --kl-window tokens
 
     for step in range(start_step, args.max_steps):
@@ -693,7 +695,7 @@ def main(argv=None):
 
         # ---- train: loss = sum over the step's completion tokens / their count across micro-batches and ranks
         loss_value, stats, first = backward_step(model, lora_params, student_prompts, teacher_prompts, completions,
-                                                 pad_id=tokenizer.pad_token_id, micro_batch_size=args.micro_batch_size,
+                                                 pad_id=pad_id, micro_batch_size=args.micro_batch_size,
                                                  teacher=args.teacher, **loss_kw)
         grad_norm = torch.nn.utils.clip_grad_norm_(lora_params, args.max_grad_norm).item()
         if not (math.isfinite(loss_value) and math.isfinite(grad_norm)):
