@@ -9,18 +9,18 @@ On-Policy Self-Distillation (OPSD) for LLM reasoning, in one file.
 One model plays two roles. The student sees only the problem; the teacher is the same network
 whose prompt also holds a reference solution. Each optimizer step:
   1. the student samples an answer to each problem with vLLM (one engine per rank),
-  2. the teacher (the base model: LoRA switched off) scores that answer under no_grad,
+  2. the teacher (by default the base model: LoRA switched off) scores that answer under no_grad,
   3. the student's next-token distributions are pulled towards the teacher's with a
      full-vocabulary forward KL at every answer position; only LoRA weights train,
   4. the merged LoRA weights are pushed into the running vLLM engine in place.
 
-Departures from the released recipe (METHOD.md section 6 lists the problems they fix):
+Departures from the released recipe (the problems they fix are in the README):
   1. Left padding with positions from the attention mask: every answer token is scored at the
      position vLLM sampled it at (the released code right-pads prompts, shifting RoPE positions).
   2. Prompts reach vLLM as token ids, never decoded and re-encoded.
   3. LoRA is merged out of place for vLLM; the base weights (the fixed teacher) never change.
-  4. The loss is float32, normalised by the optimizer step's total token count across
-     micro-batches and ranks, computed in chunks from hidden states (no B x T x V logits).
+  4. Softmax and KL in float32 (over logits in the model dtype), normalised by the optimizer step's
+     total token count across micro-batches and ranks, computed in chunks from hidden states.
   5. A cosine LR schedule over the real step budget; `--clip token` as an alternative to the
      per-entry clip (the released recipe's `--clip entry` stays the default).
 """
@@ -29,10 +29,13 @@ import argparse
 import json
 import math
 import os
+import re
 import shutil
+import sys
 import time
 from collections import deque
-from contextlib import contextmanager, nullcontext
+from contextlib import contextmanager, nullcontext, redirect_stderr
+from io import StringIO
 from pathlib import Path
 
 import torch
@@ -42,19 +45,31 @@ import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 
 # -----------------------------------------------------------------------------
-# Config: every hyper-parameter of the run, defaults from the released recipe (METHOD.md section 4)
+# Config: every hyper-parameter of the run; the defaults are the released recipe's (Qwen3-1.7B)
+
+CLIP_MODES = ("entry", "token", "none")
+LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+# flags a resumed run may change: they cannot change what the run computes, only how or what it logs
+RESUMABLE_CHANGES = ("output_dir", "resume", "overwrite", "micro_batch_size", "gradient_checkpointing",
+                     "loss_chunk_size", "vllm_memory", "device", "save_every", "kl_window", "log_rollouts_every",
+                     "wandb_project")
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description="On-Policy Self-Distillation with a hand-rolled LoRA and vLLM rollouts.")
+    p = argparse.ArgumentParser(
+        description="On-Policy Self-Distillation with a hand-rolled LoRA and vLLM rollouts. The dataset needs a "
+                    "problem column and a privileged-context column (see --problem-column, --context-column).",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     g = p.add_argument_group("model")
     g.add_argument("--model", default="Qwen/Qwen3-1.7B", help="hub id or local path of the model (student and teacher)")
     g.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"],
                    help="weights and activations; float32 for exact CPU checks")
     g.add_argument("--lora-r", type=int, default=64, help="LoRA rank r")
     g.add_argument("--lora-alpha", type=float, default=128, help="LoRA alpha; the update is scaled by alpha / r")
-    g.add_argument("--teacher", default="base", choices=["base", "current"],
-                   help="base: the model with LoRA switched off (fixed teacher); current: the student's own weights")
+    g.add_argument("--teacher", default="base", choices=["base", "current", "ema"],
+                   help="base: the model with LoRA switched off (fixed teacher); current: the student's own weights; "
+                        "ema: an exponential moving average of the student's LoRA weights")
+    g.add_argument("--ema-decay", type=float, default=None, help="decay D of --teacher ema (default 0.999)")
     g.add_argument("--gradient-checkpointing", action=argparse.BooleanOptionalAction, default=True,
                    help="recompute activations in backward to fit long answers in memory")
     g = p.add_argument_group("data and prompts")
@@ -64,6 +79,9 @@ def parse_args(argv=None):
     g.add_argument("--problem-column", default="problem", help="column holding the problem")
     g.add_argument("--context-column", default="solution",
                    help="column holding the teacher's privileged context (COT_Reason: the long verified trace)")
+    g.add_argument("--data-select", default="all", choices=["all", "hard"],
+                   help="hard: drop rows whose source is 'math', keep those whose generated_token_count is at least "
+                        "the median (needs the columns source and generated_token_count)")
     g.add_argument("--student-thinking", action=argparse.BooleanOptionalAction, default=False,
                    help="enable_thinking in the student's chat template")
     g.add_argument("--teacher-thinking", action=argparse.BooleanOptionalAction, default=True,
@@ -78,12 +96,16 @@ def parse_args(argv=None):
     g.add_argument("--vllm-memory", type=float, default=0.3,
                    help="fraction of each GPU's memory the vLLM engine may take (GPU only)")
     g = p.add_argument_group("loss")
-    g.add_argument("--clip", default="entry", choices=list(CLIP_MODES),
+    g.add_argument("--clip", default="entry", choices=CLIP_MODES,
                    help="entry: min(d_v, tau) per vocabulary entry (released recipe); token: min(k, tau) per "
                         "position with the gradient direction kept; none: no clipping")
     g.add_argument("--tau", type=float, default=0.05, help="clip threshold (1e-6 in the non-thinking recipe)")
     g.add_argument("--beta", type=float, default=0.0, help="0: forward KL(T||S); 1: reverse KL; between: generalized JSD")
     g.add_argument("--loss-temperature", type=float, default=1.1, help="temperature applied to both logits in the loss")
+    g.add_argument("--skip-first-tokens", type=int, default=0,
+                   help="leave the first N positions of every answer out of the loss and its token count")
+    g.add_argument("--loss-chunk-size", type=int, default=256,
+                   help="positions whose full-vocabulary logits exist at once (memory: chunk x vocabulary)")
     g = p.add_argument_group("optimization")
     g.add_argument("--max-steps", type=int, default=100, help="optimizer steps")
     g.add_argument("--prompts-per-step", type=int, default=32, help="prompts per optimizer step, across all ranks")
@@ -96,21 +118,41 @@ def parse_args(argv=None):
     g.add_argument("--output-dir", default="runs/opsd", help="checkpoints, final adapter, metrics.jsonl, rollouts.jsonl")
     g.add_argument("--seed", type=int, default=42, help="LoRA init, data order and every sampling seed")
     g.add_argument("--save-every", type=int, default=25, help="write a checkpoint every this many steps (0: never)")
-    g.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in --output-dir")
+    g.add_argument("--resume", action="store_true", help="continue the run in --output-dir from its latest checkpoint")
+    g.add_argument("--overwrite", action="store_true", help="delete the run --output-dir holds and start afresh")
     g.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"], help="auto: cuda when available")
     g.add_argument("--kl-window", type=int, default=20_000, help="completion tokens the KL diagnostic averages over")
-    g.add_argument("--log-rollouts-every", type=int, default=10, help="write sampled answers to rollouts.jsonl every N steps")
+    g.add_argument("--log-rollouts-every", type=int, default=10,
+                   help="write sampled answers to rollouts.jsonl every N steps and at the last step (0: never)")
+    g.add_argument("--wandb-project", default=None, help="also log to Weights & Biases (rank 0; needs `pip install wandb`)")
     args = p.parse_args(argv)
     checks = [
-        (args.max_steps > 0, "--max-steps must be positive."),
-        (0 <= args.warmup_steps < args.max_steps, "--warmup-steps must lie in [0, --max-steps)."),
+        (args.lora_r >= 1 and args.lora_alpha > 0, "--lora-r must be at least 1 and --lora-alpha positive."),
+        (args.ema_decay is None or args.teacher == "ema", "--ema-decay needs --teacher ema."),
+        (args.ema_decay is None or 0 < args.ema_decay < 1, "--ema-decay must lie in (0, 1)."),
+        (args.max_prompt_length >= 1 and args.max_new_tokens >= 1, "--max-prompt-length and --max-new-tokens must be at least 1."),
+        (args.temperature > 0 and args.loss_temperature > 0, "--temperature and --loss-temperature must be positive."),
+        (0 < args.top_p <= 1, "--top-p must lie in (0, 1]."),
+        (args.top_k == -1 or args.top_k >= 1, "--top-k must be -1 (off) or at least 1."),
+        (0 < args.vllm_memory <= 1, "--vllm-memory must lie in (0, 1]."),
+        (args.tau > 0, "--tau must be positive."),
         (0.0 <= args.beta <= 1.0, "--beta must lie in [0, 1]."),
-        (args.tau > 0 and args.loss_temperature > 0 and args.temperature > 0, "--tau and the temperatures must be positive."),
-        (args.micro_batch_size > 0 and args.prompts_per_step > 0, "--prompts-per-step and --micro-batch-size must be positive."),
+        (0 <= args.skip_first_tokens < args.max_new_tokens, "--skip-first-tokens must lie in [0, --max-new-tokens)."),
+        (args.loss_chunk_size >= 1, "--loss-chunk-size must be at least 1."),
+        (args.max_steps >= 1, "--max-steps must be at least 1."),
+        (args.prompts_per_step >= 1 and args.micro_batch_size >= 1, "--prompts-per-step and --micro-batch-size must be at least 1."),
+        (args.lr > 0 and 0 <= args.min_lr <= args.lr, "--lr must be positive and --min-lr lie in [0, --lr]."),
+        (0 <= args.warmup_steps < args.max_steps, "--warmup-steps must lie in [0, --max-steps)."),
+        (args.max_grad_norm > 0, "--max-grad-norm must be positive."),
+        (args.save_every >= 0 and args.log_rollouts_every >= 0, "--save-every and --log-rollouts-every must be 0 or more."),
+        (args.kl_window >= 1, "--kl-window must be at least 1."),
+        (not (args.resume and args.overwrite), "--resume continues the run in --output-dir, --overwrite deletes it: pass one."),
     ]
     for ok, message in checks:
         if not ok:
-            p.error(message)
+            fail(message)
+    if args.teacher == "ema" and args.ema_decay is None:
+        args.ema_decay = 0.999
     return args
 
 
@@ -118,10 +160,26 @@ def parse_args(argv=None):
 # Distributed: torchrun sets RANK / WORLD_SIZE; plain `python opsd.py` is a world of one
 
 
+def is_rank0():
+    return int(os.environ.get("RANK", 0)) == 0
+
+
+def print0(*a, **kw):
+    if is_rank0():
+        print(*a, **kw, flush=True)
+
+
+def fail(message):
+    """Stop on a user error with one sentence: every rank finds it, only rank 0 says it."""
+    if is_rank0():
+        print(f"opsd.py: error: {message}", file=sys.stderr, flush=True)
+    raise SystemExit(2)
+
+
 def init_distributed(device_flag):
     rank, world_size = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
     if device_flag == "cuda" and not torch.cuda.is_available():
-        raise SystemExit("--device cuda, but no CUDA device is visible: use --device cpu.")
+        fail("--device cuda, but no CUDA device is visible: use --device cpu.")
     use_cuda = device_flag == "cuda" or (device_flag == "auto" and torch.cuda.is_available())
     device = torch.device(f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}" if use_cuda else "cpu")
     if use_cuda:
@@ -138,15 +196,134 @@ def all_reduce(tensor, op=None):
     return tensor
 
 
-def print0(*a, **kw):
-    if int(os.environ.get("RANK", 0)) == 0:
-        print(*a, **kw, flush=True)
+# -----------------------------------------------------------------------------
+# Output directory: a run never overwrites another run's results unless told to
+
+
+def run_files(out_dir):
+    """What a run leaves in its directory."""
+    names = ["args.json", "metrics.jsonl", "rollouts.jsonl", "final"]
+    return [out_dir / n for n in names if (out_dir / n).exists()] + sorted(out_dir.glob("checkpoint-*"))
+
+
+def latest_checkpoint(out_dir):
+    steps = [int(d.name.split("-")[1]) for d in Path(out_dir).glob("checkpoint-*") if (d / "trainer_state.pt").is_file()]
+    return Path(out_dir) / f"checkpoint-{max(steps)}" if steps else None
+
+
+def flag(key):
+    return "--" + key.replace("_", "-")
+
+
+def check_output_dir(args, rank):
+    """Before anything loads: the checkpoint to resume from (None for a new run), or one sentence why not."""
+    out_dir = Path(args.output_dir)
+    try:  # every rank probes with its own file, so every rank stops together
+        out_dir.mkdir(parents=True, exist_ok=True)
+        probe = out_dir / f".write-test-{rank}"
+        probe.write_text("")
+        probe.unlink()
+    except OSError as e:
+        fail(f"--output-dir {out_dir} is not writable ({e.strerror}).")
+    existing = run_files(out_dir)
+    if not args.resume:
+        if existing and not args.overwrite:
+            fail(f"--output-dir {out_dir} already holds a run ({', '.join(p.name for p in existing[:3])}): pass "
+                 "--resume to continue it, --overwrite to replace it, or choose another --output-dir.")
+        return None
+    if not (out_dir / "args.json").is_file():
+        fail(f"--resume: {out_dir} holds no run to resume (no args.json).")
+    saved = json.loads((out_dir / "args.json").read_text())
+    changed = [flag(k) for k, v in vars(args).items() if k not in RESUMABLE_CHANGES and saved.get(k) != v]
+    if changed:
+        fail(f"--resume with other {', '.join(changed)} than the run in {out_dir} would change its results: "
+             "use the same values, or start a new run in another --output-dir.")
+    if (out_dir / "final").exists():
+        fail(f"--resume: the run in {out_dir} has finished ({out_dir / 'final'} exists); nothing to resume.")
+    checkpoint = latest_checkpoint(out_dir)
+    if checkpoint is None:
+        fail(f"--resume: {out_dir} holds no checkpoint yet; restart the run with --overwrite.")
+    return checkpoint
+
+
+def start_output_dir(args, start_step):
+    """Rank 0: clear an --overwrite'n run, record the flags, cut the logs back to the resumed step."""
+    out_dir = Path(args.output_dir)
+    if args.overwrite:
+        for path in run_files(out_dir):
+            shutil.rmtree(path) if path.is_dir() else path.unlink()
+    (out_dir / "args.json").write_text(json.dumps(vars(args), indent=2) + "\n")
+    for name in ("metrics.jsonl", "rollouts.jsonl"):
+        path = out_dir / name
+        if path.exists():  # records of steps after the checkpoint were written before the crash: drop them
+            keep = [line for line in path.read_text().splitlines() if line and json.loads(line)["step"] <= start_step]
+            path.write_text("".join(line + "\n" for line in keep))
+
+
+# -----------------------------------------------------------------------------
+# Model: a causal LM whose logits are exactly final hidden state @ lm_head.weight^T
+
+
+def local_path(value):
+    """True when `value` names a local file or directory rather than a hub id (org/name)."""
+    path = Path(value).expanduser()
+    return (path.exists() or value.startswith((".", "/", "~")) or value.count("/") > 1
+            or (len(path.parts) > 1 and Path(path.parts[0]).is_dir()))
+
+
+def load_config(args):
+    """The model's config, fetched before anything big loads; checks the context fits prompt + answer."""
+    from transformers import AutoConfig
+
+    if local_path(args.model) and not Path(args.model).expanduser().is_dir():
+        fail(f"--model {args.model}: no such directory.")
+    try:
+        config = AutoConfig.from_pretrained(args.model)
+    except (OSError, ValueError) as e:
+        fail(f"--model {args.model}: cannot load its config ({str(e).splitlines()[0]}).")
+    context = getattr(config, "max_position_embeddings", None)
+    if context and args.max_prompt_length + args.max_new_tokens > context:
+        fail(f"--max-prompt-length {args.max_prompt_length} + --max-new-tokens {args.max_new_tokens} exceeds the "
+             f"model's context of {context} tokens: lower one of them.")
+    return config
+
+
+def final_hidden(model, inputs):
+    """(B, T, H) hidden states after the final norm, before the lm_head: the loss makes logits in chunks."""
+    return model.base_model(**inputs, use_cache=False).last_hidden_state
+
+
+@torch.no_grad()
+def check_logits_path(model):
+    """The loss builds logits as final_hidden @ lm_head.weight^T. Models whose forward does more (final
+    logit soft-capping, logit scaling, an lm_head bias) would get a silently wrong loss: refuse them."""
+    ids = torch.arange(3, 19, device=model.device)[None] % model.config.vocab_size  # (1, 16)
+    inputs = dict(input_ids=ids, attention_mask=torch.ones_like(ids), position_ids=torch.arange(16, device=ids.device)[None])
+    training = model.training
+    try:
+        model.eval()  # no dropout in either forward
+        want = model(**inputs, use_cache=False).logits.float()  # (1, 16, V)
+        got = (final_hidden(model, inputs) @ model.get_output_embeddings().weight.T).float()
+    except (AttributeError, TypeError) as e:
+        return f"its hidden states cannot be taken apart from its logits ({e})"
+    finally:
+        model.train(training)
+    if not torch.allclose(got, want, rtol=1e-2, atol=1e-3 * float(want.abs().max())):
+        return "its logits are not final_hidden @ lm_head.weight^T (soft-capping, scaling or a bias?)"
+    return None
+
+
+def disable_dropout(model):
+    """The recipe trains without dropout; train() (needed for gradient checkpointing) would switch it on."""
+    for m in model.modules():
+        if isinstance(m, nn.Dropout):
+            m.p = 0.0
+        if isinstance(getattr(m, "attention_dropout", None), float):
+            m.attention_dropout = 0.0
 
 
 # -----------------------------------------------------------------------------
 # LoRA, hand-rolled: y = W x + (alpha / r) B A x on every attention and MLP projection
-
-LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
 class LoRALinear(nn.Module):
@@ -180,17 +357,20 @@ class LoRALinear(nn.Module):
 
 
 def add_lora(model, r, alpha, targets=LORA_TARGETS):
-    """Wrap every nn.Linear child named in `targets`, freeze all else; return the LoRA parameters."""
+    """Wrap every nn.Linear child named in `targets`, freeze all else; return the LoRA parameters.
+    Every target must exist: a model whose projections are named or fused otherwise would train only part."""
+    linear_names = {name.rsplit(".", 1)[-1] for name, m in model.named_modules() if isinstance(m, nn.Linear)}
+    missing = [t for t in targets if t not in linear_names]
+    if missing:
+        raise ValueError(f"the model ({model.config.model_type}) has no linear layer named {', '.join(missing)}; "
+                         f"its linear layers are {', '.join(sorted(linear_names))}")
     for p in model.parameters():
         p.requires_grad_(False)
     for module in list(model.modules()):
         for child_name, child in list(module.named_children()):
             if child_name in targets and isinstance(child, nn.Linear):
                 setattr(module, child_name, LoRALinear(child, r, alpha))
-    layers = lora_layers(model)
-    if not layers:
-        raise ValueError(f"The model has no linear layer named any of {list(targets)}: choose other LoRA targets.")
-    return [p for m in layers.values() for p in (m.lora_A, m.lora_B)]
+    return [p for m in lora_layers(model).values() for p in (m.lora_A, m.lora_B)]
 
 
 def lora_layers(model):
@@ -208,6 +388,31 @@ def lora_disabled(model):
     finally:
         for m in layers:
             m.enabled = True
+
+
+@contextmanager
+@torch.no_grad()
+def lora_values(lora_params, values):
+    """Run with other LoRA values (the EMA teacher's) in place of the student's, then put the student's back."""
+    student = [p.detach().clone() for p in lora_params]
+    for p, v in zip(lora_params, values):
+        p.copy_(v)
+    try:
+        yield
+    finally:
+        for p, s in zip(lora_params, student):
+            p.copy_(s)
+
+
+@torch.no_grad()
+def ema_update(ema, lora_params, decay):
+    """The EMA teacher's LoRA weights after an optimizer step. None before the first step: the first
+    call copies the student exactly; each later call applies ema = decay * ema + (1 - decay) * student."""
+    if ema is None:
+        return [p.detach().clone() for p in lora_params]
+    for e, p in zip(ema, lora_params):
+        e.mul_(decay).add_(p.detach(), alpha=1.0 - decay)
+    return ema
 
 
 @torch.no_grad()
@@ -271,7 +476,7 @@ def load_adapter(model, adapter_dir):
 
 
 # -----------------------------------------------------------------------------
-# Prompts and data (METHOD.md sections 2-3): the released recipe's strings, through the chat template
+# Prompts and data: the released recipe's strings, through the chat template
 
 INSTRUCTION = "Please reason step by step, and put your final answer within \\boxed{}."
 TRANSITION = (
@@ -302,22 +507,68 @@ def render(tokenizer, message, thinking):
                                          enable_thinking=thinking, tokenize=True, return_dict=False)
 
 
-def load_rows(dataset, split, problem_column, context_column):
-    """[(problem, privileged context)] from a hub dataset id or a local JSON / JSONL / Parquet file."""
-    from datasets import load_dataset
+def read_table(dataset, split):
+    """Rows (dicts) of a local .json / .jsonl / .parquet file or of a hub dataset's split."""
+    path = Path(dataset).expanduser()
+    if not path.is_file():
+        if local_path(dataset):
+            fail(f"--dataset {dataset}: no such file.")
+        from datasets import load_dataset
 
-    path = Path(dataset)
-    if path.is_file():
-        kind = {".json": "json", ".jsonl": "json", ".parquet": "parquet"}.get(path.suffix.lower())
-        if kind is None:
-            raise SystemExit(f"--dataset {dataset}: a local file must be .json, .jsonl or .parquet.")
-        rows = load_dataset(kind, data_files=str(path), split="train")
-    else:
-        rows = load_dataset(dataset, split=split)
+        try:
+            return list(load_dataset(dataset, split=split))
+        except Exception as e:  # the hub's many failure types all mean the same to a user
+            fail(f"--dataset {dataset}: cannot load split {split!r} from the hub ({str(e).splitlines()[0]}).")
+    if path.suffix.lower() == ".parquet":
+        from datasets import load_dataset
+
+        return list(load_dataset("parquet", data_files=str(path), split="train"))
+    if path.suffix.lower() not in (".json", ".jsonl"):
+        fail(f"--dataset {dataset}: a local file must be .json, .jsonl or .parquet.")
+    text, rows = path.read_text(), []
+    # one JSON array, or one JSON object per line
+    for number, chunk in [(1, text)] if text.lstrip().startswith("[") else enumerate(text.splitlines(), 1):
+        try:
+            value = json.loads(chunk) if chunk.strip() else []
+        except json.JSONDecodeError as e:
+            fail(f"--dataset {dataset}, line {number + e.lineno - 1}: not valid JSON ({e.msg}).")
+        rows.extend(value if isinstance(value, list) else [value])
+    if not all(isinstance(row, dict) for row in rows):
+        fail(f"--dataset {dataset}: every row must be a JSON object.")
+    return rows
+
+
+def select_hard(rows, name):
+    """The researcher's `hard` selection: under a fixed step budget, spend it where the privileged teacher
+    and the student disagree. 1) drop rows whose source is 'math' (school problems, KL near zero);
+    2) keep rows whose generated_token_count >= the element at index len // 2 of the sorted counts."""
+    for column in ("source", "generated_token_count"):
+        if rows and column not in rows[0]:
+            fail(f"--data-select hard needs the column {column!r}, which --dataset {name} does not have.")
+    kept = [r for r in rows if r["source"] != "math"]
+    if not kept:
+        fail(f"--data-select hard: every row of --dataset {name} has source 'math'.")
+    threshold = sorted(r["generated_token_count"] for r in kept)[len(kept) // 2]
+    kept = [r for r in kept if r["generated_token_count"] >= threshold]
+    print0(f"data-select hard: {len(rows)} rows -> {len(kept)} (source != 'math', generated_token_count >= {threshold})")
+    return kept
+
+
+def load_rows(dataset, split, problem_column, context_column, data_select="all"):
+    """[(problem, privileged context)], after the --data-select rule."""
+    rows = read_table(dataset, split)
+    if not rows:
+        fail(f"--dataset {dataset} holds no rows.")
     for column in (problem_column, context_column):
-        if column not in rows.column_names:
-            raise SystemExit(f"--dataset {dataset} has no column {column!r}; its columns are {rows.column_names}.")
-    return list(zip(rows[problem_column], rows[context_column]))
+        if column not in rows[0]:
+            fail(f"--dataset {dataset} has no column {column!r}; its columns are {list(rows[0])}.")
+    for number, row in enumerate(rows, 1):
+        for column in (problem_column, context_column):
+            if not isinstance(row.get(column), str):
+                fail(f"--dataset {dataset}, row {number}: {column!r} is {row.get(column)!r}, not a string.")
+    if data_select == "hard":
+        rows = select_hard(rows, dataset)
+    return [(row[problem_column], row[context_column]) for row in rows]
 
 
 def build_prompts(tokenizer, rows, *, student_thinking, teacher_thinking, max_prompt_length):
@@ -330,7 +581,7 @@ def build_prompts(tokenizer, rows, *, student_thinking, teacher_thinking, max_pr
             prompts.append((student, teacher))
     print0(f"data: {len(prompts)} prompts, {len(rows) - len(prompts)} dropped as longer than {max_prompt_length} tokens")
     if not prompts:
-        raise SystemExit(f"No row fits --max-prompt-length {max_prompt_length}: raise it.")
+        fail(f"No row fits --max-prompt-length {max_prompt_length}: raise it.")
     return prompts
 
 
@@ -373,11 +624,6 @@ def build_batch(prompts, completions, pad_id, device):
     return {k: v.to(device) for k, v in inputs.items()}, completion_mask.to(device)
 
 
-def final_hidden(model, inputs):
-    """(B, T, H) hidden states after the final norm, before the lm_head: the loss makes logits in chunks."""
-    return model.model(**inputs, use_cache=False).last_hidden_state
-
-
 # -----------------------------------------------------------------------------
 # Rollout with vLLM: one engine per rank, sampling from token ids, weights pushed in place
 
@@ -385,18 +631,27 @@ def final_hidden(model, inputs):
 def start_engine(args, rank, world_size, device):
     from vllm import LLM
 
-    extra = {"gpu_memory_utilization": args.vllm_memory} if device.type == "cuda" else {}
-    return LLM(
+    # On CUDA the engine takes --vllm-memory of the GPU. On the CPU, prompts are prefilled whole: a prompt
+    # prefilled in chunks samples (and discards) a token per chunk, then rewinds its seeded generator, which
+    # a CPU torch.Generator cannot do ("CPU Generator does not use offset").
+    cpu = device.type == "cpu"
+    extra = {"enable_chunked_prefill": False} if cpu else {"gpu_memory_utilization": args.vllm_memory}
+    max_model_len = args.max_prompt_length + args.max_new_tokens
+    llm = LLM(
         model=args.model,
         dtype=args.dtype,
         seed=args.seed + rank,  # every request carries its own seed; this only keeps unseeded ones apart
-        max_model_len=args.max_prompt_length + args.max_new_tokens,
-        enforce_eager=device.type == "cpu",
+        max_model_len=max_model_len,
+        max_num_seqs=max(1, args.prompts_per_step // world_size),  # this rank's prompts all run at once
+        max_num_batched_tokens=max(max_model_len, 8192),  # tokens per engine step: one whole sequence at least
+        enforce_eager=cpu,
         # under torchrun every rank runs its own tensor-parallel-1 engine inside its own process
         distributed_executor_backend="external_launcher" if world_size > 1 else None,
         tensor_parallel_size=1,
         **extra,
     )
+    watch_reload_warnings()
+    return llm
 
 
 def sample(llm, prompts, seeds, args):
@@ -420,20 +675,49 @@ def sample(llm, prompts, seeds, args):
     return completions, logprobs
 
 
+NOT_RELOADED = []  # projections vLLM reported as left untouched by the current push
+
+
+def watch_reload_warnings():
+    """A push sends only the LoRA-wrapped projections, so vLLM warns, on every push, about each layer it
+    did not reload (norms, embeddings). Drop those expected lines; keep any about a projection, which
+    means the push failed, for push_weights to stop on."""
+    import logging
+
+    def keep(record):
+        message = record.getMessage()
+        if "Failed to load weights" not in message and "not loaded from checkpoint" not in message:
+            return True
+        NOT_RELOADED.extend(re.findall(r"\w*Linear\b|[\w.]*_proj\.weight", message))
+        return False
+
+    for name in ("vllm.model_executor.model_loader.reload.inplace", "vllm.model_executor.model_loader.reload.layerwise"):
+        logger = logging.getLogger(name)
+        logger.setLevel(logging.WARNING)  # even under VLLM_LOGGING_LEVEL=ERROR the check must see them
+        logger.addFilter(keep)
+
+
 def push_weights(llm, model):
     """Update inference engine weights: merged LoRA weights into the running engine, then drop the
     prefix cache (its KV entries were computed with the old weights). Returns the seconds it took."""
     start = time.perf_counter()
+    NOT_RELOADED.clear()
     # vLLM stacks q/k/v and gate/up itself; all seven projections are sent, so every fused group is complete
     llm.collective_rpc("reload_weights", kwargs=dict(weights_iterator=merged_weights(model), is_checkpoint_format=True))
-    llm.reset_prefix_cache()
+    if NOT_RELOADED:
+        raise RuntimeError(f"vLLM did not reload {sorted(set(NOT_RELOADED))}: the weight push failed.")
+    if not llm.reset_prefix_cache():
+        raise RuntimeError("vLLM refused to reset its prefix cache after a weight push: cached KV would be stale.")
     return time.perf_counter() - start
+
+
+def stop_engine(llm):
+    """Shut the in-process engine down; vLLM's teardown also destroys the default process group."""
+    llm.llm_engine.engine_core.shutdown()
 
 
 # -----------------------------------------------------------------------------
 # The loss: a per-token divergence between teacher and student next-token distributions
-
-CLIP_MODES = ("entry", "token", "none")
 
 
 def token_divergence(student_logits, teacher_logits, *, beta=0.0, temperature=1.0, clip="entry", tau=0.05):
@@ -466,37 +750,23 @@ def token_divergence(student_logits, teacher_logits, *, beta=0.0, temperature=1.
     return k
 
 
-@torch.no_grad()
-def divergence_stats(student_logits, teacher_logits, targets, *, temperature, tau):
-    """Diagnostics per position (METHOD.md section 7), whatever the loss's beta and clip:
-    kl: unclipped KL(p_T || p_S); clipped_mass: teacher mass on entries the entry clip clamps
-    (p_T(v) (log p_T(v) - log p_S(v)) > tau); logprob: the student's raw log-prob of the sampled
-    token (temperature 1, vLLM's convention), for the sampler/trainer gap."""
-    raw = student_logits.float()
-    logprob = raw.gather(-1, targets[:, None])[:, 0] - raw.logsumexp(-1)  # (C,)
-    log_s = F.log_softmax(raw / temperature, dim=-1)
-    log_t = F.log_softmax(teacher_logits.float() / temperature, dim=-1)
-    p_t = log_t.exp()
-    d = log_t.sub_(log_s).mul_(p_t)  # (C, V) p_T(v) (log p_T(v) - log p_S(v)), in place: this runs per chunk
-    kl, clipped_mass = d.sum(-1), p_t.mul_(d > tau).sum(-1)
-    return torch.stack([kl, clipped_mass, logprob], dim=-1)  # (C, 3)
-
-
 def opsd_loss(student_hidden, student_mask, teacher_hidden, teacher_mask, lm_head_weight, num_tokens,
-              targets=None, *, beta=0.0, temperature=1.0, clip="entry", tau=0.05, chunk_size=32):
+              targets=None, *, loss_positions=None, beta=0.0, temperature=1.0, clip="entry", tau=0.05, chunk_size=256):
     """(loss, stats): the sum of token_divergence over the masked positions divided by num_tokens, and
     divergence_stats (N, 3) [kl, clipped_mass, logprob] when the sampled `targets` (N,) are given.
 
     Hidden states are (B, T, H) before the lm_head; the two masks select the positions that
-    predict completion tokens, the same count in the same order in both. Logits exist for at most
-    `chunk_size` positions at a time, so peak memory grows with chunk_size x V instead of
-    B x T x V. Each chunk's gradient w.r.t. the student hidden states is taken while the chunk's
+    predict completion tokens, the same count in the same order in both. `loss_positions` (N,) bool,
+    if given, keeps only those positions in the loss (the diagnostics still see all). Logits exist
+    for at most `chunk_size` positions at a time, so peak memory grows with chunk_size x V instead
+    of B x T x V. Each chunk's gradient w.r.t. the student hidden states is taken while the chunk's
     logits exist (no recompute), then attached to the graph through a surrogate term whose value
     is exactly zero. The lm_head is frozen (LoRA never trains it), so it gets no gradient.
     """
     hs, ht = student_hidden[student_mask], teacher_hidden[teacher_mask].detach()  # (N, H) each
     if hs.shape != ht.shape:
         raise ValueError(f"Student and teacher masks select {hs.shape[0]} and {ht.shape[0]} positions: they must match.")
+    keep = (torch.ones(hs.shape[0], device=hs.device) if loss_positions is None else loss_positions.float())  # (N,)
     W = lm_head_weight.detach()  # (V, H)
     need_grad = torch.is_grad_enabled() and hs.requires_grad
     total = hs.new_zeros((), dtype=torch.float32)
@@ -507,6 +777,7 @@ def opsd_loss(student_hidden, student_mask, teacher_hidden, teacher_mask, lm_hea
         with torch.enable_grad() if need_grad else nullcontext():
             student_logits = h @ W.T  # (C, V)
             k = token_divergence(student_logits, teacher_logits, beta=beta, temperature=temperature, clip=clip, tau=tau)
+            k = k * keep[i:i + chunk_size]  # (C,) skipped positions add nothing, not even gradient
             if need_grad:
                 grads.append(torch.autograd.grad(k.sum(), h)[0])
         total = total + k.detach().sum()
@@ -521,6 +792,56 @@ def opsd_loss(student_hidden, student_mask, teacher_hidden, teacher_mask, lm_hea
     if targets is None:
         return loss, None
     return loss, (torch.cat(stats) if stats else hs.new_zeros((0, 3), dtype=torch.float32))
+
+
+# -----------------------------------------------------------------------------
+# The KL diagnostic: how far the teacher is from the student, at the scale the clip sees
+
+
+@torch.no_grad()
+def divergence_stats(student_logits, teacher_logits, targets, *, temperature, tau):
+    """Per position, whatever the loss's beta and clip (both distributions at the loss temperature):
+    kl: unclipped KL(p_T || p_S); clipped_mass: teacher mass on entries the entry clip clamps
+    (p_T(v) (log p_T(v) - log p_S(v)) > tau); logprob: the student's raw log-prob of the sampled
+    token (temperature 1, vLLM's convention), for the sampler/trainer gap."""
+    raw = student_logits.float()
+    logprob = raw.gather(-1, targets[:, None])[:, 0] - raw.logsumexp(-1)  # (C,)
+    log_s = F.log_softmax(raw / temperature, dim=-1)
+    log_t = F.log_softmax(teacher_logits.float() / temperature, dim=-1)
+    p_t = log_t.exp()
+    d = log_t.sub_(log_s).mul_(p_t)  # (C, V) p_T(v) (log p_T(v) - log p_S(v)), in place: this runs per chunk
+    kl, clipped_mass = d.sum(-1), p_t.mul_(d > tau).sum(-1)
+    return torch.stack([kl, clipped_mass, logprob], dim=-1)  # (C, 3)
+
+
+def diagnostic_sums(stats, first, sampler_logprobs, tau):
+    """This step's sums over all ranks, from the per-position stats of this rank: (N, 3) for all completion
+    positions and (rows, 3) for the first position of each completion. gap = |vLLM's - trainer's log-prob|."""
+    kl = stats[:, 0]
+    gap = (stats[:, 2] - torch.tensor(sum(sampler_logprobs, []), device=stats.device)).abs()  # (N,)
+    local = {"tokens": len(kl), "kl": kl.sum(), "above_tau": (kl > tau).sum(), "clipped_mass": stats[:, 1].sum(),
+             "first_kl": first[:, 0].sum(), "first_tokens": len(first), "gap": gap.sum()}
+    sums = dict(zip(local, all_reduce(torch.tensor([float(v) for v in local.values()], device=stats.device)).tolist()))
+    gap_max = gap.max() if len(gap) else stats.new_zeros(())
+    sums["gap_max"] = float(all_reduce(gap_max, dist.ReduceOp.MAX if dist.is_initialized() else None))
+    return sums
+
+
+def kl_window_means(window, kl_window):
+    """Means over the most recent steps (window: per-step sums, newest last) that cover at least
+    kl_window completion tokens; older steps are dropped from the window in place."""
+    while len(window) > 1 and sum(w["tokens"] for w in list(window)[1:]) >= kl_window:
+        window.popleft()
+    w = {k: sum(step_sums[k] for step_sums in window) for k in ("tokens", "kl", "above_tau", "clipped_mass",
+                                                                 "first_kl", "first_tokens")}
+    return {"kl_mean": w["kl"] / max(w["tokens"], 1), "kl_frac_above_tau": w["above_tau"] / max(w["tokens"], 1),
+            "kl_clipped_teacher_mass": w["clipped_mass"] / max(w["tokens"], 1),
+            "kl_first_token": w["first_kl"] / max(w["first_tokens"], 1), "kl_window_tokens": int(w["tokens"])}
+
+
+# the sampler/trainer gap's noise with identical weights on both sides is ~1e-6 in float32 and ~1e-2 in
+# bfloat16 (mean, measured on CPU); a step line flags a mean gap this far above that floor
+GAP_ALARM = {"float32": 1e-4, "bfloat16": 0.1}
 
 
 # -----------------------------------------------------------------------------
@@ -541,37 +862,55 @@ def lr_at(step, *, lr, max_steps, warmup_steps=0, min_lr=0.0):
 # One optimizer step's gradient
 
 
+def teacher_weights(model, lora_params, teacher, ema):
+    """The teacher's weights for its forward: base (LoRA off), current (the student's), or the EMA's
+    LoRA values (the student's until the first optimizer step, when no EMA exists yet)."""
+    if teacher == "base":
+        return lora_disabled(model)
+    if teacher == "ema" and ema is not None:
+        return lora_values(lora_params, ema)
+    return nullcontext()
+
+
 def backward_step(model, lora_params, student_prompts, teacher_prompts, completions, *, pad_id, micro_batch_size,
-                  teacher, **loss_kw):
+                  teacher, ema=None, skip_first_tokens=0, **loss_kw):
     """Forward and backward over this rank's micro-batches, then the gradient summed over ranks.
 
-    Each micro-batch's loss is its sum of per-token divergences divided by the step's completion-token
+    Each micro-batch's loss is its sum of per-token divergences divided by the step's loss-token
     count over all micro-batches and ranks, so the summed gradient equals that of one big batch.
+    The first `skip_first_tokens` positions of each completion stay out of the loss and the count.
     Returns the step's loss (summed over ranks) and per-position diagnostics of this rank: all
     completion positions (N, 3) and the first position of each completion (rows, 3).
     """
     device = lora_params[0].device
     lm_head = model.get_output_embeddings().weight  # (V, H), frozen
-    num_tokens = int(all_reduce(torch.tensor(sum(map(len, completions)), device=device)))
+    loss_tokens = sum(max(0, len(c) - skip_first_tokens) for c in completions)
+    num_tokens = int(all_reduce(torch.tensor(loss_tokens, device=device)))
     loss_sum, stats, first = 0.0, [], []
     for mb in range(0, len(completions), micro_batch_size):
         rows = slice(mb, mb + micro_batch_size)
         student_inputs, student_mask = build_batch(student_prompts[rows], completions[rows], pad_id, device)
         teacher_inputs, teacher_mask = build_batch(teacher_prompts[rows], completions[rows], pad_id, device)
-        with torch.no_grad(), lora_disabled(model) if teacher == "base" else nullcontext():
+        with torch.no_grad(), teacher_weights(model, lora_params, teacher, ema):
             teacher_hidden = final_hidden(model, teacher_inputs)  # (B, T_teacher, H)
         student_hidden = final_hidden(model, student_inputs)  # (B, T_student, H)
         # hidden state t predicts token t + 1: shift the completion masks by one
         targets = student_inputs["input_ids"][:, 1:][student_mask[:, 1:]]  # (N,) the sampled tokens
+        lengths = [len(c) for c in completions[rows]]
+        loss_positions = torch.tensor([j >= skip_first_tokens for n in lengths for j in range(n)], device=device)
         loss, mb_stats = opsd_loss(student_hidden[:, :-1], student_mask[:, 1:], teacher_hidden[:, :-1],
-                                   teacher_mask[:, 1:], lm_head, num_tokens, targets, **loss_kw)
+                                   teacher_mask[:, 1:], lm_head, num_tokens, targets, loss_positions=loss_positions,
+                                   **loss_kw)
         loss.backward()
         loss_sum += loss.item()
         stats.append(mb_stats)
-        starts = torch.tensor([0] + [len(c) for c in completions[rows]][:-1]).cumsum(0)  # first position per row
-        first.append(mb_stats[starts])
-    for p in lora_params:  # a sum, not DDP's mean: each rank's loss is already divided by the global count
-        all_reduce(p.grad)
+        first.append(mb_stats[torch.tensor([0] + lengths[:-1]).cumsum(0)])  # first position of each row
+    # one collective for all LoRA gradients; a sum, not DDP's mean: each rank's loss is already divided by the
+    # global count
+    grads = torch.cat([p.grad.flatten() for p in lora_params])
+    all_reduce(grads)
+    for p, g in zip(lora_params, grads.split([p.numel() for p in lora_params])):
+        p.grad.copy_(g.view_as(p))
     loss_value = float(all_reduce(torch.tensor(loss_sum, device=device)))
     return loss_value, torch.cat(stats), torch.cat(first)
 
@@ -589,31 +928,32 @@ def save_atomically(final_dir, write):
     os.rename(tmp, final_dir)
 
 
-def save_checkpoint(out_dir, step, model, optimizer, args):
+def save_run_state(out_dir, model, lora_params, ema, args, state=None):
+    """checkpoint-<step>/ (when `state` is given) or final/: the student adapter, the EMA teacher's in
+    ema/ (same layout, so eval.py can score it), and what a resume needs: the step, the optimizer, the
+    KL window. The data order and every sampling seed are functions of (seed, step): no RNG state."""
     def write(tmp):
         save_adapter(model, tmp, args.model)
-        # the data order and every sampling seed are functions of (seed, step), so the step fixes the data
-        # position; the RNG state is kept for completeness (nothing draws from it after the LoRA init)
-        torch.save({"step": step, "data_position": step * args.prompts_per_step, "optimizer": optimizer.state_dict(),
-                    "torch_rng": torch.get_rng_state()}, tmp / "trainer_state.pt")
-    save_atomically(out_dir / f"checkpoint-{step}", write)
+        if ema is not None:
+            with lora_values(lora_params, ema):
+                save_adapter(model, tmp / "ema", args.model)
+        if state is not None:
+            torch.save(state, tmp / "trainer_state.pt")
+    save_atomically(out_dir / (f"checkpoint-{state['step']}" if state else "final"), write)
 
 
-# settings a resumed run must share with the run it continues (the data order and seeds depend on them)
-RESUME_KEYS = ("model", "dataset", "dataset_split", "problem_column", "context_column", "max_prompt_length", "seed",
-               "prompts_per_step", "lora_r", "lora_alpha")
-
-
-def latest_checkpoint(out_dir):
-    steps = [int(d.name.split("-")[1]) for d in Path(out_dir).glob("checkpoint-*") if (d / "trainer_state.pt").is_file()]
-    return Path(out_dir) / f"checkpoint-{max(steps)}" if steps else None
-
-
-def truncate_log(path, last_step):
-    """Drop records of steps after `last_step` (written after the checkpoint a resumed run starts from)."""
-    if path.exists():
-        keep = [line for line in path.read_text().splitlines() if line and json.loads(line)["step"] <= last_step]
-        path.write_text("".join(line + "\n" for line in keep))
+def restore(checkpoint, model, lora_params, optimizer):
+    """Load a checkpoint into the model and optimizer; returns (step, EMA weights or None, KL window)."""
+    # map_location cpu: loading works whatever the device; load_state_dict moves the optimizer state to
+    # its parameters' device
+    state = torch.load(checkpoint / "trainer_state.pt", map_location="cpu", weights_only=True)
+    optimizer.load_state_dict(state["optimizer"])
+    ema = None
+    if (checkpoint / "ema").is_dir():
+        load_adapter(model, checkpoint / "ema")
+        ema = [p.detach().clone() for p in lora_params]
+    load_adapter(model, checkpoint)
+    return state["step"], ema, deque(state["kl_window"])
 
 
 # -----------------------------------------------------------------------------
@@ -621,66 +961,65 @@ def truncate_log(path, last_step):
 
 
 def main(argv=None):
-    args = parse_args(argv)
+    with redirect_stderr(StringIO()) if not is_rank0() else nullcontext():  # argparse's own errors: rank 0 says them
+        args = parse_args(argv)
     rank, world_size, device = init_distributed(args.device)
     is_main = rank == 0
     per_rank = args.prompts_per_step // world_size
     if args.prompts_per_step % (world_size * args.micro_batch_size):
-        raise SystemExit(f"--prompts-per-step {args.prompts_per_step} must be divisible by ranks x --micro-batch-size "
-                         f"= {world_size} x {args.micro_batch_size}.")
-    out_dir = Path(args.output_dir)
-    resume_from = latest_checkpoint(out_dir) if args.resume else None
-    if not args.resume and latest_checkpoint(out_dir):
-        raise SystemExit(f"{out_dir} already holds checkpoints: pass --resume, or choose another --output-dir.")
-    if resume_from:
-        saved = json.loads((out_dir / "args.json").read_text())
-        changed = [k for k in RESUME_KEYS if saved.get(k) != getattr(args, k)]
-        if changed:
-            raise SystemExit(f"--resume with other {', '.join(changed)} than the run in {out_dir}: use the same flags.")
-    # vLLM: the engine in this process (its worker is then reachable for weight pushes); quiet, because each
-    # push of the seven projections logs a warning for every layer it leaves alone; a small CPU KV cache
+        fail(f"--prompts-per-step {args.prompts_per_step} must be divisible by ranks x --micro-batch-size "
+             f"= {world_size} x {args.micro_batch_size}.")
+    # vLLM: the engine in this process (its worker is then reachable for weight pushes); errors only, as its
+    # start-up warnings are CPU tuning advice (push_weights checks its reload warnings itself); a small CPU KV cache
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
     if device.type == "cpu":
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+
+    # ---- every check a user can fail, before a model or vLLM loads: output directory, model config, data.
+    #      Every rank renders all prompts; step_indices picks each rank's shard of each step
+    resume_from = check_output_dir(args, rank)
+    load_config(args)
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    # ---- data first, so a bad column or length limit fails before the model loads. Every rank renders
-    #      all prompts; step_indices picks each rank's shard of each step
     tokenizer = AutoTokenizer.from_pretrained(args.model)
-    rows = load_rows(args.dataset, args.dataset_split, args.problem_column, args.context_column)
+    rows = load_rows(args.dataset, args.dataset_split, args.problem_column, args.context_column, args.data_select)
     prompts = build_prompts(tokenizer, rows, student_thinking=args.student_thinking,
                             teacher_thinking=args.teacher_thinking, max_prompt_length=args.max_prompt_length)
+    if args.wandb_project and is_main:
+        import wandb  # only with the flag: not a dependency otherwise
 
     # ---- model + LoRA: the same seed on every rank gives every rank the same LoRA init
-    dtype = getattr(torch, args.dtype)
-    model = AutoModelForCausalLM.from_pretrained(args.model, dtype=dtype).to(device)
+    model = AutoModelForCausalLM.from_pretrained(args.model, dtype=getattr(torch, args.dtype)).to(device)
+    disable_dropout(model)
+    refused = check_logits_path(model)
+    if refused:
+        fail(f"--model {args.model} ({model.config.model_type}) is not supported: {refused}.")
     torch.manual_seed(args.seed)
-    lora_params = add_lora(model, args.lora_r, args.lora_alpha)
+    try:
+        lora_params = add_lora(model, args.lora_r, args.lora_alpha)
+    except ValueError as e:
+        fail(f"--model {args.model}: LoRA needs all of {', '.join(LORA_TARGETS)}, but {e}.")
     if args.gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    model.train()  # Qwen3 has no dropout; train() only switches gradient checkpointing on
+    model.train()  # for gradient checkpointing; dropout is off
     optimizer = torch.optim.AdamW(lora_params, lr=args.lr, betas=(0.9, 0.999), weight_decay=0.0)
 
     # ---- vLLM engine (a collective step: all ranks build theirs together)
     llm = start_engine(args, rank, world_size, device)
-    start_step = 0
+    start_step, ema, window = 0, None, deque()  # window: per-step diagnostic sums, newest last
     if resume_from:
-        load_adapter(model, resume_from)
-        state = torch.load(resume_from / "trainer_state.pt", map_location=device, weights_only=True)
-        optimizer.load_state_dict(state["optimizer"])
-        torch.set_rng_state(state["torch_rng"])
-        start_step = state["step"]
+        start_step, ema, window = restore(resume_from, model, lora_params, optimizer)
         push_weights(llm, model)  # the fresh engine holds base weights
         print0(f"resumed from {resume_from} at step {start_step}")
+    out_dir = Path(args.output_dir)
     if is_main:
-        out_dir.mkdir(parents=True, exist_ok=True)
-        (out_dir / "args.json").write_text(json.dumps(vars(args), indent=2) + "\n")
-        for name in ("metrics.jsonl", "rollouts.jsonl"):
-            truncate_log(out_dir / name, start_step)
-    loss_kw = dict(beta=args.beta, temperature=args.loss_temperature, clip=args.clip, tau=args.tau)
+        start_output_dir(args, start_step)
+        tracker = wandb.init(project=args.wandb_project, name=out_dir.name, config=vars(args),
+                             dir=str(out_dir)) if args.wandb_project else None
+    loss_kw = dict(beta=args.beta, temperature=args.loss_temperature, clip=args.clip, tau=args.tau,
+                   chunk_size=args.loss_chunk_size)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id  # pads are masked
-    window = deque()  # per-step diagnostic sums, newest last, covering at least --kl-window tokens
 
     for step in range(start_step, args.max_steps):
         # ---- generate: this rank's shard of the step's prompts, one seed per request
@@ -696,73 +1035,72 @@ def main(argv=None):
         # ---- train: loss = sum over the step's completion tokens / their count across micro-batches and ranks
         loss_value, stats, first = backward_step(model, lora_params, student_prompts, teacher_prompts, completions,
                                                  pad_id=pad_id, micro_batch_size=args.micro_batch_size,
-                                                 teacher=args.teacher, **loss_kw)
+                                                 teacher=args.teacher, ema=ema,
+                                                 skip_first_tokens=args.skip_first_tokens, **loss_kw)
         grad_norm = torch.nn.utils.clip_grad_norm_(lora_params, args.max_grad_norm).item()
         if not (math.isfinite(loss_value) and math.isfinite(grad_norm)):
             last = latest_checkpoint(out_dir)
-            raise SystemExit(f"step {step + 1}: non-finite loss ({loss_value}) or gradient norm ({grad_norm}); "
+            fail(f"step {step + 1}: non-finite loss ({loss_value}) or gradient norm ({grad_norm}); "
                              f"stopped before the update, last checkpoint: {last or 'none'}.")
         lr = lr_at(step, lr=args.lr, max_steps=args.max_steps, warmup_steps=args.warmup_steps, min_lr=args.min_lr)
         for group in optimizer.param_groups:
             group["lr"] = lr
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
+        if args.teacher == "ema":
+            ema = ema_update(ema, lora_params, args.ema_decay)
         t2 = time.perf_counter()
 
         # ---- update inference engine weights
         time_push = push_weights(llm, model)
         t3 = time.perf_counter()
 
-        # ---- diagnostics (METHOD.md section 7): sums over ranks, averaged over the most recent steps that
-        #      cover at least --kl-window completion tokens
-        kl = stats[:, 0]  # unclipped KL(T||S) per position
-        gap = (stats[:, 2] - torch.tensor(sum(sampler_logprobs, []), device=device)).abs()  # |sampler - trainer|
-        local = {"tokens": len(kl), "kl": kl.sum(), "above_tau": (kl > args.tau).sum(), "clipped_mass": stats[:, 1].sum(),
-                 "first_kl": first[:, 0].sum(), "first_tokens": len(first), "gap": gap.sum()}
-        totals = all_reduce(torch.tensor([float(v) for v in local.values()], device=device)).tolist()
-        sums = dict(zip(local, totals))
-        gap_max = float(all_reduce(gap.max(), dist.ReduceOp.MAX if dist.is_initialized() else None))
-        window.append(sums)
-        while len(window) > 1 and sum(w["tokens"] for w in list(window)[1:]) >= args.kl_window:
-            window.popleft()
-        w = {k: sum(step_sums[k] for step_sums in window) for k in sums}
-        record = {
-            "step": step + 1, "loss": loss_value, "lr": lr, "grad_norm": grad_norm,
-            "kl_mean": w["kl"] / w["tokens"], "kl_frac_above_tau": w["above_tau"] / w["tokens"],
-            "kl_clipped_teacher_mass": w["clipped_mass"] / w["tokens"], "kl_first_token": w["first_kl"] / w["first_tokens"],
-            "kl_window_tokens": int(w["tokens"]),
-            "logprob_gap_mean": sums["gap"] / sums["tokens"], "logprob_gap_max": gap_max,
-            "completion_len_mean": sums["tokens"] / args.prompts_per_step,
-            "time_sample": t1 - t0, "time_train": t2 - t1, "time_push": time_push,
-            "tokens_per_second": sums["tokens"] / (t3 - t0),
-        }
+        # ---- log: the KL diagnostic over the window, the gap over this step
+        sums = diagnostic_sums(stats, first, sampler_logprobs, args.tau)
+        window.append({k: v for k, v in sums.items() if k not in ("gap", "gap_max")})
+        record = {"step": step + 1, "loss": loss_value, "lr": lr, "grad_norm": grad_norm,
+                  **kl_window_means(window, args.kl_window),
+                  "logprob_gap_mean": sums["gap"] / max(sums["tokens"], 1), "logprob_gap_max": sums["gap_max"],
+                  "completion_len_mean": sums["tokens"] / args.prompts_per_step,
+                  "time_sample": t1 - t0, "time_train": t2 - t1, "time_push": time_push,
+                  "tokens_per_second": sums["tokens"] / (t3 - t0)}
+        log_rollouts = args.log_rollouts_every and ((step + 1) % args.log_rollouts_every == 0 or step + 1 == args.max_steps)
         if is_main:
+            stale = record["logprob_gap_mean"] > GAP_ALARM[args.dtype]
             print(f"step {step + 1:4d}/{args.max_steps} | loss {loss_value:.4f} | lr {lr:.2e} | grad {grad_norm:.4f} | "
                   f"kl {record['kl_mean']:.4f} >tau {record['kl_frac_above_tau']:.1%} | len {record['completion_len_mean']:.0f} | "
                   f"sample {t1 - t0:.1f}s train {t2 - t1:.1f}s push {time_push:.2f}s | "
-                  f"{record['tokens_per_second']:.0f} tok/s | gap {record['logprob_gap_mean']:.1e}/{gap_max:.1e}", flush=True)
+                  f"{record['tokens_per_second']:.0f} tok/s | gap {record['logprob_gap_mean']:.1e}/{sums['gap_max']:.1e}"
+                  + (f" <- gap above the {args.dtype} noise floor: stale weights or wrong positions?" if stale else ""),
+                  flush=True)
             with open(out_dir / "metrics.jsonl", "a") as f:
                 f.write(json.dumps(record) + "\n")
-            if args.log_rollouts_every and (step + 1) % args.log_rollouts_every == 0:  # rank 0's share
+            rollouts = [{"step": step + 1, "prompt_index": indices[j], "tokens": len(c), "completion": tokenizer.decode(c)}
+                        for j, c in zip(mine, completions)] if log_rollouts else []  # rank 0's share
+            if rollouts:
                 with open(out_dir / "rollouts.jsonl", "a") as f:
-                    for j, completion in zip(mine, completions):
-                        f.write(json.dumps({"step": step + 1, "prompt_index": indices[j], "tokens": len(completion),
-                                            "completion": tokenizer.decode(completion)}) + "\n")
+                    f.writelines(json.dumps(r) + "\n" for r in rollouts)
+            if tracker:
+                table = wandb.Table(columns=list(rollouts[0]), data=[list(r.values()) for r in rollouts]) if rollouts else None
+                tracker.log({**record, **({"rollouts": table} if table else {})}, step=step + 1)
 
         # ---- checkpoint
         if args.save_every and (step + 1) % args.save_every == 0 and step + 1 < args.max_steps:
             if is_main:
-                save_checkpoint(out_dir, step + 1, model, optimizer, args)
+                save_run_state(out_dir, model, lora_params, ema, args, state={
+                    "step": step + 1, "optimizer": optimizer.state_dict(), "kl_window": list(window)})
             if dist.is_initialized():
                 dist.barrier()
 
-    # ---- teardown: the final adapter, in PEFT's layout
+    # ---- teardown: the final adapter (and the EMA teacher's), in PEFT's layout; then the engine
     if is_main:
-        save_atomically(out_dir / "final", lambda tmp: save_adapter(model, tmp, args.model))
+        save_run_state(out_dir, model, lora_params, ema, args)
         print(f"final adapter -> {out_dir / 'final'}")
+        if tracker:
+            tracker.finish()
     if dist.is_initialized():
         dist.barrier()
-    del llm  # shutting the engine down also destroys the default process group
+    stop_engine(llm)
     if dist.is_initialized():
         dist.destroy_process_group()
 

@@ -10,7 +10,7 @@ import opsd
 
 PROBLEM, SOLUTION = "What is 17 + 25?", "10 + 20 = 30 and 7 + 5 = 12, so \\boxed{42}."
 
-# METHOD.md section 2, typed out independently of opsd.py
+# the released recipe's strings, typed out independently of opsd.py
 EXPECTED_STUDENT = ("Problem: What is 17 + 25?\n\n"
                     "Please reason step by step, and put your final answer within \\boxed{}.")
 EXPECTED_TEACHER = (
@@ -64,14 +64,16 @@ def test_load_rows_local_files_and_context_column(tmp_path):
     assert opsd.load_rows(str(tmp_path / "d.parquet"), "train", "problem", "solution")[2] == ("p2", "s2")
 
 
-def test_missing_column_names_it_and_the_columns_that_exist(tmp_path):
+def test_missing_column_names_it_and_the_columns_that_exist(tmp_path, capsys):
     path = write_jsonl(tmp_path / "d.jsonl", [{"problem": "p", "answer": "1"}])
-    with pytest.raises(SystemExit, match=r"no column 'solution'; its columns are \['problem', 'answer'\]"):
+    with pytest.raises(SystemExit):
         opsd.load_rows(path, "train", "problem", "solution")
+    assert "no column 'solution'; its columns are ['problem', 'answer']" in capsys.readouterr().err
     bad = tmp_path / "d.csv"
     bad.write_text("problem,solution\n")
-    with pytest.raises(SystemExit, match="must be .json, .jsonl or .parquet"):
+    with pytest.raises(SystemExit):
         opsd.load_rows(str(bad), "train", "problem", "solution")
+    assert "must be .json, .jsonl or .parquet" in capsys.readouterr().err
 
 
 def test_long_rows_are_dropped_and_counted(tok, capsys):
@@ -82,8 +84,9 @@ def test_long_rows_are_dropped_and_counted(tok, capsys):
     student, teacher = prompts[0]
     assert student == opsd.render(tok, opsd.student_message("short"), False)
     assert teacher == opsd.render(tok, opsd.teacher_message("short", "s"), True)
-    with pytest.raises(SystemExit, match="No row fits --max-prompt-length 10"):
+    with pytest.raises(SystemExit):
         opsd.build_prompts(tok, rows, student_thinking=False, teacher_thinking=True, max_prompt_length=10)
+    assert "No row fits --max-prompt-length 10" in capsys.readouterr().err
 
 
 def test_data_order_shards_epochs_and_seed():

@@ -1,5 +1,5 @@
 # python -m pytest tests/test_readme.py -q
-"""CI must run the README's test command: the two files name the same line."""
+"""The README: CI runs its test command, its code snippets run, and it cites no file outside the repository."""
 
 from pathlib import Path
 
@@ -19,3 +19,19 @@ def test_method_files_never_import_trl_or_peft():
         lines = (ROOT / name).read_text().splitlines()
         bad = [l for l in lines if l.strip().startswith(("import trl", "from trl", "import peft", "from peft"))]
         assert not bad, f"{name}: {bad}"
+
+
+def test_the_readme_snippets_run():
+    import re
+
+    blocks = re.findall(r"```python\n(.*?)```", (ROOT / "README.md").read_text(), re.S)
+    assert len(blocks) >= 2
+    for block in blocks:
+        exec(compile(block, "README.md", "exec"), {})
+
+
+def test_the_repository_cites_no_file_it_does_not_contain():
+    for path in [ROOT / "README.md", *ROOT.glob("*.py"), *(ROOT / "tests").glob("*.py")]:
+        text = path.read_text()
+        for name in ("METHOD.md", "ENVIRONMENT.md", "STYLE.md", "../shared"):
+            assert name not in text, f"{path.name} cites {name}"

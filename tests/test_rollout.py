@@ -104,3 +104,47 @@ def test_sampling_is_reproducible_from_per_request_seeds(llm, args, tiny_model_d
     assert first == second
     assert len({tuple(c) for c in first}) == 3  # one prompt, three seeds, three different answers
     assert third != first
+
+
+def test_a_push_that_leaves_a_projection_untouched_stops_the_run(llm, tiny_model_dir, monkeypatch):
+    model = lora_model(tiny_model_dir, seed=4)
+    complete = opsd.merged_weights
+    monkeypatch.setattr(opsd, "merged_weights", lambda m: ((n, w) for n, w in complete(m) if "layers.1.mlp.down_proj" not in n))
+    with pytest.raises(RuntimeError, match=r"vLLM did not reload .*RowParallelLinear.*model\.layers\.1\.mlp\.down_proj\.weight"):
+        opsd.push_weights(llm, model)
+    monkeypatch.setattr(opsd, "merged_weights", complete)
+    opsd.push_weights(llm, model)  # a complete push raises nothing: the expected norm/embedding warnings are not failures
+    torch.testing.assert_close(vllm_logprobs(llm, SEQUENCE), hf_logprobs(model, SEQUENCE), atol=1e-4, rtol=0)
+
+
+STALE = """
+import sys, opsd
+opsd.push_weights = lambda llm, model: 0.0  # never push: vLLM keeps sampling from the base weights
+opsd.main(sys.argv[1:])
+"""
+
+
+def test_the_step_line_flags_a_stale_engine(tiny_model_dir, tmp_path):
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    cmd = [sys.executable, "-c", STALE, "--model", tiny_model_dir, "--dataset", str(root / "tests/data/math_train.jsonl"),
+           "--device", "cpu", "--dtype", "float32", "--max-steps", "2", "--prompts-per-step", "2",
+           "--micro-batch-size", "2", "--max-new-tokens", "16", "--lr", "1e-3", "--output-dir", str(tmp_path)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=root)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("step ")]
+    # step 1 samples from the weights it trains (B = 0 on both sides); step 2 from weights one update old
+    assert "noise floor" not in lines[0] and "<- gap above the float32 noise floor" in lines[1]
+
+
+def test_many_long_seeded_prompts_sample(llm, args, tiny_model_dir):
+    # 20 prompts of ~500 tokens exceed one engine step's token budget (8,192), so a chunked prefill would split
+    # them, and rewinding a seeded CPU generator then raises; opsd's engine prefills whole prompts on the CPU
+    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
+    prompts = [opsd.render(tok, opsd.student_message(f"Compute {i} + {i}. " * 70), False) for i in range(20)]
+    assert sum(map(len, prompts)) > 8192 and max(map(len, prompts)) <= 1000
+    completions, logprobs = opsd.sample(llm, prompts, seeds=list(range(20)), args=args)
+    assert len(completions) == 20 and all(len(c) == len(lp) > 0 for c, lp in zip(completions, logprobs))

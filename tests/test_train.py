@@ -4,6 +4,7 @@ with the real vLLM (float32), a SIGKILL and resume that ends on the same adapter
 
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -109,8 +110,13 @@ def test_end_to_end_under_torchrun(clip, entry_run, tiny_model_dir, tmp_path):
     if clip == "entry":
         out, stdout = entry_run
     else:
-        out = tmp_path / "token"
-        stdout = run(opsd_command(tiny_model_dir, out, "--clip", "token", "--max-steps", "3", "--kl-window", "1"))
+        out = tmp_path / "token"  # holds an older finished run, which --overwrite replaces
+        (out / "final").mkdir(parents=True)
+        (out / "checkpoint-7").mkdir()
+        (out / "metrics.jsonl").write_text(json.dumps({"step": 99}) + "\n")
+        stdout = run(opsd_command(tiny_model_dir, out, "--clip", "token", "--max-steps", "3", "--kl-window", "1",
+                                  "--overwrite"))
+        assert not (out / "checkpoint-7").exists()
     records = metrics(out)
     assert [r["step"] for r in records] == list(range(1, len(records) + 1)) and len(records) >= 3
     for r in records:
@@ -137,7 +143,33 @@ def test_end_to_end_under_torchrun(clip, entry_run, tiny_model_dir, tmp_path):
     assert any(m.lora_B.abs().max() > 0 for m in opsd.lora_layers(model).values())
 
 
-def test_sigkill_after_a_checkpoint_then_resume_gives_the_same_adapter(entry_run, tiny_model_dir, tmp_path):
+TIMINGS = ("time_sample", "time_train", "time_push", "tokens_per_second")
+
+
+def without_timings(records):
+    return [{k: v for k, v in r.items() if k not in TIMINGS} for r in records]
+
+
+def kill_job(launcher):
+    """SIGKILL a torchrun job. Its workers run in sessions of their own, so killing the launcher's process group
+    would leave them training: kill each worker (the launcher's children), then the launcher."""
+    def stat(pid):  # (state, parent pid) from /proc/<pid>/stat, or None once the process is gone
+        try:
+            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+            return fields[0], int(fields[1])
+        except (OSError, IndexError, ValueError):
+            return None
+    workers = [int(d.name) for d in Path("/proc").iterdir() if d.name.isdigit() and (stat(d.name) or "xx")[1] == launcher.pid]
+    assert workers, "the launcher has no workers to kill"
+    for pid in workers:
+        os.kill(pid, signal.SIGKILL)
+    launcher.kill()
+    launcher.wait()
+    while any(stat(pid) and stat(pid)[0] != "Z" for pid in workers):  # dead, or a zombie that can write nothing
+        time.sleep(0.05)
+
+
+def test_sigkill_after_a_checkpoint_then_resume_gives_the_same_adapter_and_metrics(entry_run, tiny_model_dir, tmp_path):
     reference, _ = entry_run
     out = tmp_path / "killed"
     cmd = opsd_command(tiny_model_dir, out, "--clip", "entry", "--max-steps", "5", "--save-every", "2")
@@ -146,12 +178,13 @@ def test_sigkill_after_a_checkpoint_then_resume_gives_the_same_adapter(entry_run
     while not (out / "checkpoint-2" / "trainer_state.pt").exists():
         assert proc.poll() is None and time.time() < deadline, "the run ended before writing checkpoint-2"
         time.sleep(0.05)
-    os.killpg(proc.pid, signal.SIGKILL)
-    proc.wait()
+    kill_job(proc)
     assert not (out / "final").exists(), "the kill came too late to test anything"
 
     run(cmd + ["--resume"])
-    assert [r["step"] for r in metrics(out)] == [1, 2, 3, 4, 5]  # steps after the checkpoint are not doubled
+    # record for record the uninterrupted run's: steps after the checkpoint are not doubled, and the KL window
+    # (20,000 tokens: every step so far) continues from the checkpoint instead of restarting empty
+    assert without_timings(metrics(out)) == without_timings(metrics(reference))
     resumed = load_file(out / "final" / "adapter_model.safetensors")
     uninterrupted = load_file(reference / "final" / "adapter_model.safetensors")
     assert resumed.keys() == uninterrupted.keys()
@@ -159,22 +192,47 @@ def test_sigkill_after_a_checkpoint_then_resume_gives_the_same_adapter(entry_run
         assert torch.equal(resumed[k], uninterrupted[k]), k
 
 
-def test_bad_setups_fail_early_with_one_sentence(tiny_model_dir, entry_run, tmp_path):
+def test_checkpoint_holds_what_a_resume_needs_and_restoring_leaves_the_rng_alone(entry_run, tiny_model_dir):
     out, _ = entry_run
+    state = torch.load(out / "checkpoint-2" / "trainer_state.pt", weights_only=True)
+    assert set(state) == {"step", "optimizer", "kl_window"} and state["step"] == 2
+    assert [w["tokens"] for w in state["kl_window"]] == [r["completion_len_mean"] * 4 for r in metrics(out)[:2]]
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+    params = opsd.add_lora(model, r=64, alpha=128)
+    optimizer = torch.optim.AdamW(params)
+    torch.manual_seed(123)
+    expected = torch.rand(4)
+    torch.manual_seed(123)
+    step, ema, window = opsd.restore(out / "checkpoint-2", model, params, optimizer)
+    assert torch.equal(torch.rand(4), expected)  # a restored RNG state would change the next draws
+    assert step == 2 and ema is None and list(window) == state["kl_window"]
+    assert optimizer.state_dict()["state"][0]["step"] == 2
+
+
+def test_output_dir_and_resume_refusals(tiny_model_dir, entry_run, tmp_path):
+    finished, _ = entry_run
+    unfinished = tmp_path / "unfinished"  # what a kill after checkpoint-2 leaves: no final/
+    shutil.copytree(finished, unfinished, ignore=shutil.ignore_patterns("final"))
+    (tmp_path / "no-checkpoint").mkdir()
+    (tmp_path / "no-checkpoint" / "args.json").write_text((finished / "args.json").read_text())
+    same = ["--clip", "entry", "--save-every", "2", "--max-steps", "5", "--prompts-per-step", "4",
+            "--micro-batch-size", "1", "--max-new-tokens", "32", "--dtype", "float32", "--log-rollouts-every", "2"]
     cases = [
         (["--prompts-per-step", "6", "--micro-batch-size", "4", "--output-dir", str(tmp_path / "a")],
          "must be divisible by ranks x --micro-batch-size"),
-        (["--output-dir", str(out)], "already holds checkpoints: pass --resume"),
-        (["--context-column", "COT_Reason", "--output-dir", str(tmp_path / "b")], "no column 'COT_Reason'"),
-        (["--warmup-steps", "10", "--max-steps", "5"], "--warmup-steps must lie in"),
-        (["--output-dir", str(out), "--resume", "--prompts-per-step", "4", "--seed", "7"],
-         "--resume with other seed than the run in"),
+        (["--output-dir", str(finished), "--seed", "7"], f"--output-dir {finished} already holds a run"),
+        (["--output-dir", str(finished), "--resume", *same], f"the run in {finished} has finished"),
+        (["--output-dir", str(unfinished), "--resume", *same, "--max-steps", "200", "--lr", "1e-4", "--clip", "token"],
+         f"--resume with other --clip, --max-steps, --lr than the run in {unfinished} would change its results"),
+        (["--output-dir", str(tmp_path / "no-checkpoint"), "--resume", *same], "holds no checkpoint yet"),
+        (["--output-dir", str(tmp_path / "empty"), "--resume", *same], "holds no run to resume"),
     ]
     base = [sys.executable, str(ROOT / "opsd.py"), "--model", tiny_model_dir, "--dataset", str(DATA), "--device", "cpu"]
     for extra, message in cases:
         proc = subprocess.run(base + extra, capture_output=True, text=True, timeout=120, cwd=ROOT)
         assert proc.returncode != 0 and message in proc.stderr, (extra, proc.stderr[-2000:])
         assert "Traceback" not in proc.stderr
+    assert {p.name for p in finished.iterdir()} == {p.name for p in unfinished.iterdir()} | {"final"}  # nothing touched
 
 
 def test_non_finite_loss_stops_the_run_and_keeps_the_checkpoint(tiny_model_dir, tmp_path):

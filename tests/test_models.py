@@ -1,0 +1,97 @@
+# python -m pytest tests/test_models.py -q
+"""Which models opsd.py can train. The loss takes logits as final_hidden @ lm_head.weight^T and LoRA wraps the
+seven projections by name: models whose forward or names differ are refused up front in one sentence, and a
+Llama (not only Qwen3) trains through a real step with the real vLLM."""
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import (AutoModelForCausalLM, Gemma2Config, Gemma2ForCausalLM, GPT2Config, GPT2LMHeadModel,
+                          GraniteConfig, GraniteForCausalLM, LlamaConfig, LlamaForCausalLM, MistralConfig,
+                          MistralForCausalLM, Phi3Config, Phi3ForCausalLM, PhiConfig, PhiForCausalLM)
+
+import opsd
+
+ROOT = Path(__file__).resolve().parent.parent
+DATA = ROOT / "tests" / "data" / "math_train.jsonl"
+SIZE = dict(vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=2,
+            num_key_value_heads=1, max_position_embeddings=4096, initializer_range=0.1)
+
+
+def build(model_class, config):
+    torch.manual_seed(0)
+    return model_class(config).float()
+
+
+def test_models_whose_logits_are_hidden_times_lm_head_pass(tiny_model_dir):
+    qwen3 = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+    llama = build(LlamaForCausalLM, LlamaConfig(head_dim=64, **SIZE))
+    mistral = build(MistralForCausalLM, MistralConfig(head_dim=64, **SIZE))
+    for model in (qwen3, llama, mistral):
+        assert opsd.check_logits_path(model) is None, model.config.model_type
+
+
+def test_models_whose_forward_does_more_are_refused():
+    # the oracle is each model's own forward: with these settings its logits differ from hidden @ W^T
+    gemma2 = build(Gemma2ForCausalLM, Gemma2Config(head_dim=64, final_logit_softcapping=0.5, **SIZE))
+    granite = build(GraniteForCausalLM, GraniteConfig(logits_scaling=4.0, **SIZE))
+    phi = build(PhiForCausalLM, PhiConfig(**{**SIZE, "num_key_value_heads": 2}))
+    with torch.no_grad():
+        phi.lm_head.bias.normal_()  # a trained Phi's lm_head bias is not zero
+    for model in (gemma2, granite, phi):
+        reason = opsd.check_logits_path(model)
+        assert reason and "not final_hidden @ lm_head.weight^T" in reason, model.config.model_type
+    gpt2 = build(GPT2LMHeadModel, GPT2Config(vocab_size=512, n_embd=128, n_layer=2, n_head=2))
+    assert opsd.check_logits_path(gpt2) is None  # no .model attribute, but base_model finds its transformer
+    with pytest.raises(ValueError, match=r"no linear layer named q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, "
+                                         r"down_proj; its linear layers are lm_head"):
+        opsd.add_lora(gpt2, 8, 16)  # its projections are Conv1D layers named c_attn, c_proj, c_fc
+
+
+def test_fused_projections_are_refused_naming_what_is_missing():
+    phi3 = build(Phi3ForCausalLM, Phi3Config(**SIZE, pad_token_id=0))
+    with pytest.raises(ValueError, match=r"no linear layer named q_proj, k_proj, v_proj, gate_proj, up_proj; "
+                                         r"its linear layers are down_proj, gate_up_proj, lm_head, o_proj, qkv_proj"):
+        opsd.add_lora(phi3, 8, 16)
+    assert not any(isinstance(m, opsd.LoRALinear) for m in phi3.modules())  # nothing was wrapped half-way
+
+
+def test_dropout_is_off_in_train_mode():
+    config = LlamaConfig(head_dim=64, attention_dropout=0.5, **SIZE)
+    llama = build(LlamaForCausalLM, config)
+    gpt2 = build(GPT2LMHeadModel, GPT2Config(vocab_size=512, n_embd=128, n_layer=2, n_head=2, resid_pdrop=0.5))
+    ids = torch.arange(20, 40)[None]
+    for model in (llama, gpt2):
+        model.train()
+        assert not torch.equal(model(ids).logits, model(ids).logits)  # the oracle: dropout really is on
+        opsd.disable_dropout(model)
+        with torch.no_grad():
+            train_mode = model(ids).logits
+            torch.testing.assert_close(train_mode, model.eval()(ids).logits, rtol=0, atol=1e-6)
+
+
+def test_a_tiny_llama_trains_one_real_step(tiny_model_dir, tmp_path):
+    llama_dir = tmp_path / "tiny-llama"
+    llama_dir.mkdir()
+    for f in Path(tiny_model_dir).iterdir():
+        if f.name.startswith(("tokenizer", "special_tokens", "chat_template")):
+            shutil.copy(f, llama_dir / f.name)
+    qwen3 = json.loads((Path(tiny_model_dir) / "config.json").read_text())
+    llama = build(LlamaForCausalLM, LlamaConfig(head_dim=64, **{**SIZE, "vocab_size": qwen3["vocab_size"]},
+                                                tie_word_embeddings=True, eos_token_id=qwen3["eos_token_id"],
+                                                pad_token_id=qwen3["pad_token_id"]))
+    llama.save_pretrained(llama_dir)
+    out = tmp_path / "out"
+    cmd = [sys.executable, str(ROOT / "opsd.py"), "--model", str(llama_dir), "--dataset", str(DATA), "--device", "cpu",
+           "--dtype", "float32", "--max-steps", "1", "--prompts-per-step", "2", "--micro-batch-size", "2",
+           "--max-new-tokens", "16", "--output-dir", str(out)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    record = json.loads((out / "metrics.jsonl").read_text())
+    assert record["logprob_gap_max"] < 1e-3 and record["kl_mean"] > 0  # vLLM and the trainer agree on a Llama
+    assert (out / "final" / "adapter_model.safetensors").is_file()

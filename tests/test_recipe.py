@@ -1,0 +1,206 @@
+# python -m pytest tests/test_recipe.py -q
+"""The released recipe's remaining choices and the conveniences: the EMA teacher (against a hand computation and a
+model loaded with the EMA weights), --skip-first-tokens (against the loss restricted by hand), --data-select hard
+(against the rule applied by hand), and Weights & Biases offline; all of them together under torchrun, killed
+after a checkpoint and resumed to the uninterrupted run's weights, EMA and metrics."""
+
+import json
+import os
+import shutil
+import struct
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from transformers import AutoModelForCausalLM
+
+import opsd
+
+ROOT = Path(__file__).resolve().parent.parent
+DATA = ROOT / "tests" / "data" / "math_train.jsonl"
+
+STUDENT = [[1, 89, 87, 266, 203], [1, 307, 265], [1, 285, 15, 22, 35, 2, 203]]
+TEACHER = [p + [300 + i] * (4 + 2 * i) for i, p in enumerate(STUDENT)]
+COMPLETIONS = [[40, 41, 42, 43, 2], [50, 51], [60, 61, 62, 63, 64, 65, 66, 2]]
+
+
+def lora_model(model_dir, seed=1):
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    torch.manual_seed(0)
+    params = opsd.add_lora(model, r=8, alpha=16)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for m in opsd.lora_layers(model).values():
+            m.lora_B.copy_(torch.randn(m.lora_B.shape, generator=g) * 0.1)
+    return model, params
+
+
+# -- EMA teacher ---------------------------------------------------------------------------------
+
+
+def test_ema_recursion_by_hand():
+    student = [torch.tensor([1.0, -2.0]), torch.tensor([[4.0]])]
+    ema = opsd.ema_update(None, student, decay=0.75)  # after the first step: an exact copy, no decay
+    assert [e.tolist() for e in ema] == [[1.0, -2.0], [[4.0]]] and ema[0] is not student[0]
+    student[0].copy_(torch.tensor([3.0, 2.0]))
+    student[1].fill_(0.0)
+    ema = opsd.ema_update(ema, student, decay=0.75)  # 0.75 * old + 0.25 * new
+    assert [e.tolist() for e in ema] == [[1.5, -1.0], [[3.0]]]
+    ema = opsd.ema_update(ema, student, decay=0.75)
+    assert [e.tolist() for e in ema] == [[1.875, -0.25], [[2.25]]]
+
+
+def test_ema_teacher_is_the_model_with_the_ema_adapter_and_leaves_the_student_alone(tiny_model_dir, tmp_path):
+    model, params = lora_model(tiny_model_dir, seed=1)
+    other, other_params = lora_model(tiny_model_dir, seed=2)
+    ema = [p.detach().clone() for p in other_params]
+    opsd.save_adapter(other, tmp_path / "ema", "tiny")
+    loaded, _ = lora_model(tiny_model_dir, seed=3)
+    opsd.load_adapter(loaded, tmp_path / "ema")  # the oracle: a model that simply holds the EMA weights
+    inputs, _ = opsd.build_batch(TEACHER, COMPLETIONS, 0, "cpu")
+    with torch.no_grad():
+        student = opsd.final_hidden(model, inputs)
+    student_before = [p.detach().clone() for p in params]
+    for p in params:
+        p.grad = torch.full_like(p, 7.0)
+    with torch.no_grad(), opsd.teacher_weights(model, params, "ema", ema):
+        teacher = opsd.final_hidden(model, inputs)
+    with torch.no_grad():
+        torch.testing.assert_close(teacher, opsd.final_hidden(loaded, inputs), rtol=0, atol=1e-6)
+        assert not torch.allclose(teacher, student, atol=1e-3)  # it is not the student
+        with opsd.teacher_weights(model, params, "ema", None):  # before the first step: the student itself
+            assert torch.equal(opsd.final_hidden(model, inputs), student)
+    assert all(torch.equal(p, b) for p, b in zip(params, student_before))
+    assert all(torch.equal(p.grad, torch.full_like(p, 7.0)) for p in params)
+    with torch.no_grad():
+        assert torch.equal(opsd.final_hidden(model, inputs), student)  # the student's weights are back
+
+
+# -- skipping the first completion tokens ---------------------------------------------------------
+
+
+def test_skip_first_tokens_is_the_loss_restricted_by_hand(tiny_model_dir):
+    skip, kw = 2, dict(temperature=1.1, clip="none", tau=0.05)  # unclipped: every position counts with its own value
+    model, params = lora_model(tiny_model_dir)
+    loss, stats, first = opsd.backward_step(model, params, STUDENT, TEACHER, COMPLETIONS, pad_id=0, micro_batch_size=2,
+                                            teacher="base", skip_first_tokens=skip, **kw)
+    grads = [p.grad.clone() for p in params]
+    # by hand: one sequence at a time, no padding, full logits from the model's own forward
+    ref_model, ref_params = lora_model(tiny_model_dir)
+    total, count = 0.0, 0
+    for s, t, c in zip(STUDENT, TEACHER, COMPLETIONS):
+        student_logits = ref_model(torch.tensor([s + c])).logits[0, len(s) - 1:-1]  # predicts each completion token
+        with torch.no_grad(), opsd.lora_disabled(ref_model):
+            teacher_logits = ref_model(torch.tensor([t + c])).logits[0, len(t) - 1:-1]
+        k = opsd.token_divergence(student_logits, teacher_logits, **kw)  # (len(c),)
+        total, count = total + k[skip:].sum(), count + len(c[skip:])
+    (total / count).backward()
+    assert count == 3 + 0 + 6
+    assert loss == pytest.approx(float(total.detach() / count), rel=1e-5)
+    for g, p in zip(grads, ref_params):
+        torch.testing.assert_close(g, p.grad, atol=1e-6, rtol=1e-4)
+    # the diagnostics still cover every position, first tokens included
+    assert len(stats) == sum(map(len, COMPLETIONS)) and len(first) == 3
+    unskipped, _, _ = opsd.backward_step(*lora_model(tiny_model_dir)[:2], STUDENT, TEACHER, COMPLETIONS, pad_id=0,
+                                         micro_batch_size=2, teacher="base", **kw)
+    assert abs(unskipped - loss) > 1e-4  # the skip changed something
+
+
+# -- data selection -------------------------------------------------------------------------------
+
+
+def test_hard_selection_by_hand(tmp_path, capsys):
+    rows = [("math", 10_000), ("amc", 100), ("olympiads", 500), ("amc", 300), ("aops", 900), ("amc", 50)]
+    path = tmp_path / "d.jsonl"
+    path.write_text("".join(json.dumps({"problem": f"p{i}", "solution": f"s{i}", "source": s,
+                                        "generated_token_count": n}) + "\n" for i, (s, n) in enumerate(rows)))
+    # without 'math': counts 100, 500, 300, 900, 50; sorted 50, 100, 300, 500, 900; index 5 // 2 = 2: 300
+    assert opsd.load_rows(str(path), "train", "problem", "solution", "hard") == [("p2", "s2"), ("p3", "s3"), ("p4", "s4")]
+    assert "data-select hard: 6 rows -> 3 (source != 'math', generated_token_count >= 300)" in capsys.readouterr().out
+    assert len(opsd.load_rows(str(path), "train", "problem", "solution", "all")) == 6
+
+
+# -- all together under torchrun, with wandb offline, killed and resumed -------------------------
+
+
+def wandb_history(run_dir):
+    """The history records of an offline wandb run, read from its run file: a 7-byte header, then 32 KiB
+    blocks of records, each with a 7-byte header (checksum, length, kind: 1 whole, 2 first, 3 middle, 4 last)."""
+    from wandb.proto import wandb_internal_pb2
+
+    data = next(Path(run_dir).glob("wandb/offline-run-*/run-*.wandb")).read_bytes()
+    pos, block, pending, history = 7, 32768, b"", []
+    while pos + 7 <= len(data):
+        if block - pos % block < 7:
+            pos += block - pos % block
+            continue
+        length, kind = struct.unpack("<HB", data[pos + 4:pos + 7])
+        pending, pos = pending + data[pos + 7:pos + 7 + length], pos + 7 + length
+        if kind in (1, 4):
+            record = wandb_internal_pb2.Record()
+            record.ParseFromString(pending)
+            pending = b""
+            if record.WhichOneof("record_type") == "history":
+                history.append({item.key or "/".join(item.nested_key): json.loads(item.value_json)
+                                for item in record.history.item})
+    return history
+
+
+@pytest.fixture(scope="module")
+def hard_data(tmp_path_factory):
+    rows = [json.loads(line) for line in DATA.read_text().splitlines()]
+    sources = ["math", "amc", "olympiads", "aops"]
+    path = tmp_path_factory.mktemp("data") / "hard.jsonl"
+    path.write_text("".join(json.dumps({**r, "source": sources[i % 4], "generated_token_count": (37 * i) % 101}) + "\n"
+                            for i, r in enumerate(rows)))
+    return path
+
+
+def recipe_command(model_dir, data, out_dir):
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(ROOT / "opsd.py"),
+            "--model", model_dir, "--dataset", str(data), "--device", "cpu", "--dtype", "float32",
+            "--prompts-per-step", "4", "--micro-batch-size", "1", "--max-new-tokens", "24", "--max-steps", "4",
+            "--save-every", "2", "--lr", "1e-3", "--teacher", "ema", "--ema-decay", "0.5", "--skip-first-tokens", "2",
+            "--data-select", "hard", "--wandb-project", "opsd-test", "--output-dir", str(out_dir)]
+
+
+def run(cmd):
+    env = {**os.environ, "WANDB_MODE": "offline", "WANDB_SILENT": "true"}
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=400, cwd=ROOT, env=env)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return proc.stdout
+
+
+def test_ema_skip_select_and_wandb_under_torchrun_resume_exactly(tiny_model_dir, hard_data, tmp_path):
+    out = tmp_path / "run"
+    stdout = run(recipe_command(tiny_model_dir, hard_data, out))
+    counts = sorted((37 * i) % 101 for i in range(32) if i % 4)  # the rule by hand on the 24 rows not from 'math'
+    threshold = counts[len(counts) // 2]
+    kept = sum((37 * i) % 101 >= threshold for i in range(32) if i % 4)
+    assert f"data-select hard: 32 rows -> {kept} (source != 'math', generated_token_count >= {threshold})" in stdout
+    assert (out / "checkpoint-2" / "ema" / "adapter_model.safetensors").is_file()
+    final, ema = (load_file(out / "final" / d / "adapter_model.safetensors") for d in ("", "ema"))
+    assert final.keys() == ema.keys() and any(not torch.equal(final[k], ema[k]) for k in final)
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == [1, 2, 3, 4]
+
+    # wandb (offline) holds rank 0's metrics.jsonl records, step for step
+    history = {h["_step"]: h for h in wandb_history(out)}
+    for r in records:
+        assert all(history[r["step"]][k] == pytest.approx(v, rel=1e-12) for k, v in r.items()), r["step"]
+    assert "rollouts/_type" in history[4]  # the last step logs its sampled answers
+
+    # a kill after checkpoint-2 leaves no final/; resuming must give the uninterrupted run's weights, EMA and records
+    resumed = tmp_path / "resumed"
+    shutil.copytree(out, resumed, ignore=shutil.ignore_patterns("final", "wandb"))
+    run(recipe_command(tiny_model_dir, hard_data, resumed) + ["--resume"])
+    for d in ("", "ema"):
+        a, b = (load_file(o / "final" / d / "adapter_model.safetensors") for o in (out, resumed))
+        assert all(torch.equal(a[k], b[k]) for k in a), d
+    timing = ("time_sample", "time_train", "time_push", "tokens_per_second")
+    again = [json.loads(line) for line in (resumed / "metrics.jsonl").read_text().splitlines()]
+    assert [{k: v for k, v in r.items() if k not in timing} for r in again] == \
+        [{k: v for k, v in r.items() if k not in timing} for r in records]
