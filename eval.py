@@ -225,9 +225,20 @@ def start_engine(args):
     from vllm import LLM
     from vllm.lora.request import LoRARequest
 
+    from vllm.platforms import current_platform
+
     extra = {}
     if args.gpu_memory_utilization is not None:  # on the CPU build it is a share of RAM: leave it unset there
         extra["gpu_memory_utilization"] = args.gpu_memory_utilization
+    if current_platform.is_cpu():
+        # When vLLM prefills a prompt in chunks, it samples a token after every chunk but the last,
+        # throws it away and rewinds that request's seeded generator with set_offset(). A CPU
+        # torch.Generator has no offset, so the rewind raises "CPU Generator does not use offset".
+        # Chunking happens as soon as the queued prompts exceed one step's token budget (4,096 on
+        # CPU), e.g. ~100 AIME prompts. Without chunked prefill every prompt is prefilled whole, and
+        # vLLM raises the budget to at least max_model_len so that any single prompt fits.
+        # CUDA generators can rewind, so GPU runs keep chunked prefill.
+        extra["enable_chunked_prefill"] = False
     if args.adapter:
         rank = json.loads((Path(args.adapter) / "adapter_config.json").read_text())["r"]
         # vLLM takes only some maximum ranks (8, 16, 32, ...): round up to the next one.

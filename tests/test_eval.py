@@ -260,3 +260,16 @@ def test_adapter_is_applied(tiny_model_dir, full_run, tmp_path):
     # the base samples token for token, and a large random one must change (nearly) all of them.
     assert all(completions["zero"][k] == base[k]["completion"] for k in base)
     assert sum(completions["random"][k] != base[k]["completion"] for k in base) >= len(base) - 1
+
+
+def test_many_seeded_requests_at_once(tiny_model_dir, full_run, tmp_path):
+    # 3 prompts of ~50 tokens x 30 samples queue ~4,500 prompt tokens, more than one vLLM step takes on
+    # CPU (4,096): with chunked prefill a prompt is then split, and rewinding its seeded generator
+    # crashed the CPU build ("CPU Generator does not use offset").
+    many = 30
+    run(tiny_model_dir, tmp_path, "--n", str(many))
+    samples = by_key(read_jsonl(tmp_path / "samples.jsonl"))
+    assert sorted(samples) == [("tiny", i, j) for i in range(3) for j in range(many)]
+    # A seeded sample does not depend on what else is queued: the first N equal the 6-request run's.
+    base = by_key(read_jsonl(full_run / "samples.jsonl"))
+    assert all(samples[k]["completion"] == base[k]["completion"] for k in base)
