@@ -65,7 +65,7 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0].strip(), epilog=DATA_HELP,
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     g = p.add_argument_group("model")
-    g.add_argument("--model", required=True, help="hub id or local path of the base model")
+    g.add_argument("--model", required=True, default=argparse.SUPPRESS, help="hub id or local path of the base model")
     g.add_argument("--adapter", default=None,
                    help="LoRA adapter directory written by opsd.py, applied through vLLM's LoRA support")
     g.add_argument("--dtype", default="auto", help="vLLM weight dtype; auto takes the model config's")
@@ -90,7 +90,7 @@ def parse_args(argv=None):
     g.add_argument("--thinking", action=argparse.BooleanOptionalAction, default=True,
                    help="chat template's enable_thinking (--no-thinking for the non-thinking evaluation)")
     g.add_argument("--seed", type=int, default=42, help="root of every per-sample seed")
-    p.add_argument("--output-dir", required=True, help="where samples.jsonl, summary.json and config.json go")
+    p.add_argument("--output-dir", required=True, default=argparse.SUPPRESS, help="where samples.jsonl, summary.json and config.json go")
     args = p.parse_args(argv)
     for flag, ok, rule in [
         ("--n", args.n >= 1, "at least 1"),
