@@ -26,6 +26,7 @@ Departures from the released recipe (the problems they fix are in the README):
 """
 
 import argparse
+import importlib.util
 import json
 import math
 import os
@@ -147,6 +148,7 @@ def parse_args(argv=None):
         (args.save_every >= 0 and args.log_rollouts_every >= 0, "--save-every and --log-rollouts-every must be 0 or more."),
         (args.kl_window >= 1, "--kl-window must be at least 1."),
         (not (args.resume and args.overwrite), "--resume continues the run in --output-dir, --overwrite deletes it: pass one."),
+        (not args.wandb_project or importlib.util.find_spec("wandb"), "--wandb-project needs wandb: pip install wandb."),
     ]
     for ok, message in checks:
         if not ok:
@@ -839,9 +841,9 @@ def kl_window_means(window, kl_window):
             "kl_first_token": w["first_kl"] / max(w["first_tokens"], 1), "kl_window_tokens": int(w["tokens"])}
 
 
-# the sampler/trainer gap's noise with identical weights on both sides is ~1e-6 in float32 and ~1e-2 in
-# bfloat16 (mean, measured on CPU); a step line flags a mean gap this far above that floor
-GAP_ALARM = {"float32": 1e-4, "bfloat16": 0.1}
+# The sampler/trainer gap's floor with identical weights, measured on CPU (tiny Qwen3, mean): ~1e-6 in float32,
+# ~1e-2 in bfloat16 (up to ~2e-2 at lr 1e-4, as the merged bf16 weights round). A step line flags a mean gap above:
+GAP_ALARM = {"float32": 1e-4, "bfloat16": 5e-2}
 
 
 # -----------------------------------------------------------------------------

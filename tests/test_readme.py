@@ -32,6 +32,8 @@ def test_the_readme_snippets_run():
 
 def test_the_repository_cites_no_file_it_does_not_contain():
     for path in [ROOT / "README.md", *ROOT.glob("*.py"), *(ROOT / "tests").glob("*.py")]:
+        if path.name == "test_readme.py":  # this file names them to look for them
+            continue
         text = path.read_text()
         for name in ("METHOD.md", "ENVIRONMENT.md", "STYLE.md", "../shared"):
             assert name not in text, f"{path.name} cites {name}"
