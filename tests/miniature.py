@@ -16,7 +16,7 @@ eval.py use:
      like the student instead of being lost (the control arm's teacher).
 It stops while the student is clearly imperfect and the teacher with the solution near perfect. The
 pre-trained model ships in tests/data/miniature/model, so a run starts from it; --rebuild-model
-pre-trains a fresh one (a few minutes) and uses that instead.
+pre-trains a fresh one (about 7 minutes on 2 cores; the time is printed) and uses that instead.
 
 Then, from the same starting model, with every seed:
   token    opsd.py --clip token, the teacher sees the solution
