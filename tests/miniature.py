@@ -85,7 +85,10 @@ def parse_args(argv=None):
     p.add_argument("--pretrain-steps", type=int, default=600, help="pre-training steps (with --rebuild-model)")
     p.add_argument("--overwrite", action="store_true", help="clear this script's sub-directories of --output-dir first")
     args = p.parse_args(argv)
-    args.seeds = [int(s) for s in (args.seeds or ("1" if args.quick else "1,2,3")).split(",") if s.strip()]
+    seeds = [s.strip() for s in (args.seeds or ("1" if args.quick else "1,2,3")).split(",") if s.strip()]
+    if not all(s.isdigit() for s in seeds) or len(set(seeds)) != len(seeds):
+        p.error(f"--seeds takes distinct non-negative integers separated by commas, got {args.seeds!r}.")
+    args.seeds = [int(s) for s in seeds]
     args.arms = [a.strip() for a in (args.arms or ("token" if args.quick else ",".join(ARMS))).split(",") if a.strip()]
     args.n = args.n or (2 if args.quick else 4)
     unknown = [a for a in args.arms if a not in ARMS]
