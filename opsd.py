@@ -249,7 +249,7 @@ def check_output_dir(args, rank):
 
 
 def start_output_dir(args, start_step):
-    """Rank 0: clear an --overwrite'n run, record the flags, cut the logs back to the resumed step."""
+    """Rank 0: delete the old run (--overwrite), record the flags, cut the logs back to the resumed step."""
     out_dir = Path(args.output_dir)
     if args.overwrite:
         for path in run_files(out_dir):
@@ -680,23 +680,24 @@ def sample(llm, prompts, seeds, args):
 NOT_RELOADED = []  # projections vLLM reported as left untouched by the current push
 
 
-def watch_reload_warnings():
+def keep_log_record(record):
     """A push sends only the LoRA-wrapped projections, so vLLM warns, on every push, about each layer it
-    did not reload (norms, embeddings). Drop those expected lines; keep any about a projection, which
+    did not reload (norms, embeddings). Drop those expected lines; remember any about a projection, which
     means the push failed, for push_weights to stop on."""
-    import logging
+    message = record.getMessage()
+    if "Failed to load weights" not in message and "not loaded from checkpoint" not in message:
+        return True
+    NOT_RELOADED.extend(re.findall(r"\w*Linear\b|[\w.]*_proj\.weight", message))
+    return False
 
-    def keep(record):
-        message = record.getMessage()
-        if "Failed to load weights" not in message and "not loaded from checkpoint" not in message:
-            return True
-        NOT_RELOADED.extend(re.findall(r"\w*Linear\b|[\w.]*_proj\.weight", message))
-        return False
+
+def watch_reload_warnings():
+    import logging
 
     for name in ("vllm.model_executor.model_loader.reload.inplace", "vllm.model_executor.model_loader.reload.layerwise"):
         logger = logging.getLogger(name)
         logger.setLevel(logging.WARNING)  # even under VLLM_LOGGING_LEVEL=ERROR the check must see them
-        logger.addFilter(keep)
+        logger.addFilter(keep_log_record)  # once per logger, however many engines this process starts
 
 
 def push_weights(llm, model):
