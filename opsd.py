@@ -336,13 +336,15 @@ class LoRALinear(nn.Module):
     float32 even in a bf16 model: updates of lr 5e-6 would round away in bf16.
     """
 
-    def __init__(self, base: nn.Linear, r: int, alpha: float):
+    def __init__(self, base: nn.Linear, r: int, alpha: float, generator: torch.Generator):
         super().__init__()
         self.weight, self.bias = base.weight, base.bias  # (out, in), (out,) or None
         self.r, self.alpha, self.scale = r, alpha, alpha / r
-        self.lora_A = nn.Parameter(torch.empty(r, base.in_features, device=base.weight.device))  # (r, in)
+        # A is drawn on the CPU from `generator`, then moved: every device and every rank starts from the same
+        # adapter. B = 0, so training starts at the base model.
+        lora_A = nn.init.kaiming_uniform_(torch.empty(r, base.in_features), a=math.sqrt(5), generator=generator)
+        self.lora_A = nn.Parameter(lora_A.to(base.weight.device))  # (r, in)
         self.lora_B = nn.Parameter(torch.zeros(base.out_features, r, device=base.weight.device))  # (out, r)
-        nn.init.kaiming_uniform_(self.lora_A, a=math.sqrt(5))  # B = 0, so training starts at the base model
         self.enabled = True
 
     def forward(self, x):
@@ -358,8 +360,9 @@ class LoRALinear(nn.Module):
         return (self.weight.float() + self.scale * (self.lora_B @ self.lora_A)).to(self.weight.dtype)
 
 
-def add_lora(model, r, alpha, targets=LORA_TARGETS):
-    """Wrap every nn.Linear child named in `targets`, freeze all else; return the LoRA parameters.
+def add_lora(model, r, alpha, seed=0, targets=LORA_TARGETS):
+    """Wrap every nn.Linear child named in `targets`, freeze all else; return the LoRA parameters. The A
+    matrices come from one CPU generator seeded with `seed`, in module order, whatever the device.
     Every target must exist: a model whose projections are named or fused otherwise would train only part."""
     linear_names = {name.rsplit(".", 1)[-1] for name, m in model.named_modules() if isinstance(m, nn.Linear)}
     missing = [t for t in targets if t not in linear_names]
@@ -368,10 +371,11 @@ def add_lora(model, r, alpha, targets=LORA_TARGETS):
                          f"its linear layers are {', '.join(sorted(linear_names))}")
     for p in model.parameters():
         p.requires_grad_(False)
+    generator = torch.Generator().manual_seed(seed)
     for module in list(model.modules()):
         for child_name, child in list(module.named_children()):
             if child_name in targets and isinstance(child, nn.Linear):
-                setattr(module, child_name, LoRALinear(child, r, alpha))
+                setattr(module, child_name, LoRALinear(child, r, alpha, generator))
     return [p for m in lora_layers(model).values() for p in (m.lora_A, m.lora_B)]
 
 
@@ -998,9 +1002,8 @@ def main(argv=None):
     refused = check_logits_path(model)
     if refused:
         fail(f"--model {args.model} ({model.config.model_type}) is not supported: {refused}.")
-    torch.manual_seed(args.seed)
     try:
-        lora_params = add_lora(model, args.lora_r, args.lora_alpha)
+        lora_params = add_lora(model, args.lora_r, args.lora_alpha, seed=args.seed)
     except ValueError as e:
         fail(f"--model {args.model}: LoRA needs all of {', '.join(LORA_TARGETS)}, but {e}.")
     if args.gradient_checkpointing:

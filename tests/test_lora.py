@@ -56,6 +56,26 @@ def test_init_is_kaiming_uniform_a_sqrt5_and_b_zero(tiny_model_dir):
     assert torch.equal(m.lora_B, torch.zeros_like(m.lora_B)) and m.scale == 2.0
 
 
+def test_init_comes_from_a_cpu_generator_seeded_by_seed(tiny_model_dir):
+    # oracle: kaiming_uniform_(a=sqrt(5)) is uniform(-1/sqrt(in), 1/sqrt(in)); one CPU generator, module order
+    g = torch.Generator().manual_seed(7)
+    expected = {}
+    for name, m in load(tiny_model_dir).named_modules():
+        if name.rsplit(".", 1)[-1] in LORA_TARGETS:
+            expected[name] = torch.empty(8, m.in_features).uniform_(-1 / math.sqrt(m.in_features),
+                                                                     1 / math.sqrt(m.in_features), generator=g)
+    torch.manual_seed(123)  # the global RNG plays no part, and is left alone
+    state = torch.get_rng_state()
+    model = load(tiny_model_dir)
+    add_lora(model, r=8, alpha=16, seed=7)
+    assert torch.equal(torch.get_rng_state(), state)
+    got = {name: m.lora_A for name, m in model.named_modules() if isinstance(m, LoRALinear)}
+    assert list(got) == list(expected) and all(torch.equal(got[n], expected[n]) for n in expected)
+    other = load(tiny_model_dir)
+    add_lora(other, r=8, alpha=16, seed=8)
+    assert not torch.equal(other.model.layers[0].self_attn.q_proj.lora_A, got["model.layers.0.self_attn.q_proj"])
+
+
 def test_b_zero_gives_base_logits_exactly(tiny_model_dir):
     base = logits(load(tiny_model_dir))
     model = load(tiny_model_dir)
