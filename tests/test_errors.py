@@ -72,7 +72,7 @@ def test_bad_data_files(base, tmp_path, capsys):
     assert f"--dataset {null}, row 2: 'solution' is None, not a string." in error_of(base + ["--dataset", null], capsys)
     no_column = write(tmp_path / "cols.jsonl", json.dumps({"problem": "p", "answer": "1"}) + "\n")
     err = error_of(base + ["--dataset", no_column], capsys)
-    assert f"--dataset {no_column} has no column 'solution'; its columns are ['problem', 'answer']." in err
+    assert f"--dataset {no_column} has no column 'solution' (--context-column); its columns are ['problem', 'answer']." in err
     err = error_of(base + ["--data-select", "hard"], capsys)
     assert f"--data-select hard needs the column 'source', which --dataset {DATA} does not have." in err
 

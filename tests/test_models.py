@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers import (AutoModelForCausalLM, Gemma2Config, Gemma2ForCausalLM, GPT2Config, GPT2LMHeadModel,
+from transformers import (AutoModelForCausalLM, CohereConfig, Gemma2Config, Gemma2ForCausalLM, GPT2Config, GPT2LMHeadModel,
                           GraniteConfig, GraniteForCausalLM, LlamaConfig, LlamaForCausalLM, MistralConfig,
                           MistralForCausalLM, Phi3Config, Phi3ForCausalLM, PhiConfig, PhiForCausalLM)
 
@@ -43,9 +43,13 @@ def test_models_whose_forward_does_more_are_refused():
     phi = build(PhiForCausalLM, PhiConfig(**{**SIZE, "num_key_value_heads": 2}))
     with torch.no_grad():
         phi.lm_head.bias.normal_()  # a trained Phi's lm_head bias is not zero
-    for model in (gemma2, granite, phi):
+    for model in (gemma2, granite):
         reason = opsd.check_logits_path(model)
         assert reason and "not final_hidden @ lm_head.weight^T" in reason, model.config.model_type
+    assert opsd.check_logits_path(phi) == "its lm_head has a bias"
+    with torch.no_grad():
+        phi.lm_head.bias.zero_()  # a zero bias changes no logit, so the probe alone would pass it
+    assert opsd.check_logits_path(phi) == "its lm_head has a bias"
     gpt2 = build(GPT2LMHeadModel, GPT2Config(vocab_size=512, n_embd=128, n_layer=2, n_head=2))
     assert opsd.check_logits_path(gpt2) is None  # no .model attribute, but base_model finds its transformer
     with pytest.raises(ValueError, match=r"no linear layer named q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, "
@@ -95,3 +99,19 @@ def test_a_tiny_llama_trains_one_real_step(tiny_model_dir, tmp_path):
     record = json.loads((out / "metrics.jsonl").read_text())
     assert record["logprob_gap_max"] < 1e-3 and record["kl_mean"] > 0  # vLLM and the trainer agree on a Llama
     assert (out / "final" / "adapter_model.safetensors").is_file()
+
+
+@pytest.mark.parametrize("config, field", [
+    (Gemma2Config(head_dim=64, final_logit_softcapping=30.0, **SIZE), "final_logit_softcapping = 30.0"),
+    (GraniteConfig(logits_scaling=1.01, **SIZE), "logits_scaling = 1.01"),
+    (CohereConfig(logit_scale=0.995, **SIZE), "logit_scale = 0.995"),
+])
+def test_configs_that_change_logits_are_refused_before_the_model_loads(config, field, tmp_path, capsys):
+    # at the real soft-cap of 30, or a scale within 1% of 1, a tiny random model's logits move less than the
+    # probe's tolerance: the config alone decides. No weights are saved, so loading the model would fail.
+    config.save_pretrained(tmp_path / "model")
+    with pytest.raises(SystemExit):
+        opsd.main(["--model", str(tmp_path / "model"), "--dataset", str(DATA), "--device", "cpu",
+                   "--output-dir", str(tmp_path / "out")])
+    err = capsys.readouterr().err
+    assert f"is not supported: its config sets {field}, but the loss builds logits as" in err, err

@@ -68,7 +68,10 @@ def test_missing_column_names_it_and_the_columns_that_exist(tmp_path, capsys):
     path = write_jsonl(tmp_path / "d.jsonl", [{"problem": "p", "answer": "1"}])
     with pytest.raises(SystemExit):
         opsd.load_rows(path, "train", "problem", "solution")
-    assert "no column 'solution'; its columns are ['problem', 'answer']" in capsys.readouterr().err
+    assert "no column 'solution' (--context-column); its columns are ['problem', 'answer']" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        opsd.load_rows(path, "train", "question", "answer")
+    assert "no column 'question' (--problem-column); its columns are" in capsys.readouterr().err
     bad = tmp_path / "d.csv"
     bad.write_text("problem,solution\n")
     with pytest.raises(SystemExit):

@@ -123,6 +123,19 @@ def test_hard_selection_by_hand(tmp_path, capsys):
     assert len(opsd.load_rows(str(path), "train", "problem", "solution", "all")) == 6
 
 
+def test_hard_selection_checks_every_row(tmp_path, capsys):
+    good = {"problem": "p", "solution": "s", "source": "amc", "generated_token_count": 10}
+    for bad, shown in [({"source": "amc"}, "'amc' and None"), ({"generated_token_count": "12"}, "None and '12'"),
+                       ({"source": None, "generated_token_count": 5}, "None and 5")]:
+        path = tmp_path / "d.jsonl"
+        third = {**{k: v for k, v in good.items() if k not in ("source", "generated_token_count")}, **bad}
+        path.write_text("".join(json.dumps(r) + "\n" for r in [good, good, third]))
+        with pytest.raises(SystemExit):
+            opsd.load_rows(str(path), "train", "problem", "solution", "hard")
+        assert (f"--data-select hard: --dataset {path}, row 3 needs a string 'source' and a number "
+                f"'generated_token_count', not {shown}.") in capsys.readouterr().err
+
+
 # -- all together under torchrun, with wandb offline, killed and resumed -------------------------
 
 

@@ -195,7 +195,8 @@ def test_sigkill_after_a_checkpoint_then_resume_gives_the_same_adapter_and_metri
 def test_checkpoint_holds_what_a_resume_needs_and_restoring_leaves_the_rng_alone(entry_run, tiny_model_dir):
     out, _ = entry_run
     state = torch.load(out / "checkpoint-2" / "trainer_state.pt", weights_only=True)
-    assert set(state) == {"step", "optimizer", "kl_window"} and state["step"] == 2
+    assert set(state) == {"step", "optimizer", "kl_window", "fingerprint"} and state["step"] == 2
+    assert set(state["fingerprint"]) == {"prompts", "prompt_ids_sha256", "model", "device"}
     assert [w["tokens"] for w in state["kl_window"]] == [r["completion_len_mean"] * 4 for r in metrics(out)[:2]]
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
     params = opsd.add_lora(model, r=64, alpha=128)
@@ -247,3 +248,76 @@ def test_non_finite_loss_stops_the_run_and_keeps_the_checkpoint(tiny_model_dir, 
     state = torch.load(tmp_path / "checkpoint-1" / "trainer_state.pt", weights_only=True)
     assert state["step"] == 1
     assert all(torch.isfinite(t).all() for t in load_file(tmp_path / "checkpoint-1" / "adapter_model.safetensors").values())
+
+
+# -- resume checks contents, and signals stop a run quietly -----------------------------------------
+
+
+def test_run_fingerprint_follows_contents_not_names(tiny_model_dir, tmp_path):
+    copy = tmp_path / "model"
+    shutil.copytree(tiny_model_dir, copy)
+    prompts = [([1, 2, 3], [1, 2, 3, 4]), ([5], [5, 6])]
+    args = opsd.parse_args(["--model", str(copy)])
+    base = opsd.run_fingerprint(args, prompts, torch.device("cpu"))
+    assert base == opsd.run_fingerprint(opsd.parse_args(["--model", tiny_model_dir]), prompts, torch.device("cpu"))
+    assert base["prompts"] == 2 and base["device"] == "cpu"
+    # the same number of prompts, one token moved from the student's prompt to the teacher's
+    moved = opsd.run_fingerprint(args, [([1, 2], [3, 1, 2, 3, 4]), ([5], [5, 6])], torch.device("cpu"))
+    assert moved["prompts"] == 2 and moved["prompt_ids_sha256"] != base["prompt_ids_sha256"]
+    weights = copy / "model.safetensors"
+    data = bytearray(weights.read_bytes())
+    data[len(data) // 2] ^= 1  # one bit of one weight, the file's size unchanged
+    weights.write_bytes(bytes(data))
+    assert opsd.run_fingerprint(args, prompts, torch.device("cpu"))["model"] != base["model"]
+
+
+def test_resume_refuses_other_contents_and_drops_half_written_records(entry_run, tiny_model_dir, tmp_path):
+    reference, _ = entry_run
+    same = ["--clip", "entry", "--max-steps", "5", "--save-every", "2"]
+    out = tmp_path / "run"
+    shutil.copytree(reference, out, ignore=shutil.ignore_patterns("final", "checkpoint-4"))
+    state_path = out / "checkpoint-2" / "trainer_state.pt"
+    state = torch.load(state_path, weights_only=True)
+    torch.save({**state, "fingerprint": {**state["fingerprint"], "device": "cuda", "prompts": 99}}, state_path)
+    proc = subprocess.run(opsd_command(tiny_model_dir, out, *same, "--resume", nproc=1), capture_output=True,
+                          text=True, timeout=300, cwd=ROOT)
+    assert proc.returncode != 0 and "opsd.py\", line" not in proc.stderr  # torchrun's own report aside
+    assert proc.stderr.count(f"--resume: the number of prompts (99 -> {state['fingerprint']['prompts']}), the device "
+                             f"type (cuda -> cpu) changed since {out / 'checkpoint-2'} was written") == 1, proc.stderr
+    torch.save(state, state_path)
+    # what a kill leaves: records of steps after the checkpoint, and a line cut in the middle of a write
+    for name in ("metrics.jsonl", "rollouts.jsonl"):
+        with open(out / name, "a") as f:
+            f.write('{"step": 5, "loss": 0.1')
+    run(opsd_command(tiny_model_dir, out, *same, "--resume"))
+    assert without_timings(metrics(out)) == without_timings(metrics(reference))
+    rollouts = [json.loads(line) for line in (out / "rollouts.jsonl").read_text().splitlines()]
+    assert rollouts == [json.loads(line) for line in (reference / "rollouts.jsonl").read_text().splitlines()]
+    assert not list(out.glob(".tmp-*"))
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+def test_a_signal_stops_every_rank_in_one_line_and_the_run_resumes(sig, entry_run, tiny_model_dir, tmp_path):
+    # Ctrl-C reaches torchrun, which passes the signal on to every rank; so does a scheduler's SIGTERM
+    reference, _ = entry_run
+    out = tmp_path / "run"
+    extra = ["--clip", "entry", "--max-steps", "5", "--save-every", "2"]
+    cmd = opsd_command(tiny_model_dir, out, *extra)
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 300
+    while not (out / "checkpoint-2" / "trainer_state.pt").exists():
+        assert proc.poll() is None and time.time() < deadline, "the run ended before writing checkpoint-2"
+        time.sleep(0.05)
+    proc.send_signal(sig)
+    stdout, stderr = proc.communicate(timeout=120)
+    assert proc.returncode != 0 and not (out / "final").exists(), "the signal came too late to test anything"
+    lines = [line for line in stderr.splitlines() if line.startswith("opsd.py: interrupted at step ")]
+    assert len(lines) == 1, stderr[-3000:]
+    assert f"the last checkpoint is {out / 'checkpoint-2'}" in lines[0] or "checkpoint-4" in lines[0]
+    assert "opsd.py\", line" not in stderr and "KeyboardInterrupt" not in stderr, stderr[-3000:]
+    assert not list(out.glob(".tmp-*")) and not list(out.glob("checkpoint-*/.tmp*"))
+    command = lines[0].split("continue with: ", 1)[1]
+    assert command.endswith(" --resume") and "--overwrite" not in command
+    resume = cmd[:cmd.index(str(ROOT / "opsd.py")) + 1] + command.split(" opsd.py ", 1)[1].split()
+    run(resume)
+    assert without_timings(metrics(out)) == without_timings(metrics(reference))
