@@ -189,7 +189,7 @@ def step_indices(step, prompts_per_step, num_prompts, seed):
 
 
 # -----------------------------------------------------------------------------
-# LoRA, hand-rolled: y = W x + (alpha / r) B A x on every attention and MLP projection
+# LoRA: y = W x + (alpha / r) B A x on every attention and MLP projection, hand-rolled
 
 
 class LoRALinear(nn.Module):
@@ -276,7 +276,7 @@ def build_batch(prompts, completions, pad_id, device):
 
 
 # -----------------------------------------------------------------------------
-# Rollout with vLLM: one engine per rank, sampling from token ids, weights pushed in place and read back
+# Rollout: one vLLM engine per rank, sampling from token ids; weights pushed in place and read back
 
 
 def start_engine(args, rank, world_size, device):
@@ -492,7 +492,7 @@ def kl_window_means(window, kl_window):
 
 
 # -----------------------------------------------------------------------------
-# Learning-rate schedule
+# LR schedule: linear warmup, then a cosine decay to --min-lr
 
 
 def lr_at(step, *, lr, max_steps, warmup_steps=0, min_lr=0.0):
@@ -558,7 +558,7 @@ def ema_update(ema, lora_params, decay):
 
 
 # -----------------------------------------------------------------------------
-# One optimizer step's gradient
+# One optimizer step: forward and backward over micro-batches, the gradient summed over ranks
 
 
 def backward_step(model, lora_params, student_prompts, teacher_prompts, completions, *, pad_id, micro_batch_size,
@@ -714,7 +714,7 @@ def main(argv=None):
 # =============================================================================
 
 # -----------------------------------------------------------------------------
-# One sentence per error, said once: torchrun sets RANK / WORLD_SIZE; plain `python opsd.py` is a world of one
+# Errors and ranks: one sentence per error, said once; torchrun sets RANK / WORLD_SIZE, `python opsd.py` is one
 
 
 def is_rank0():
@@ -775,7 +775,7 @@ def barrier():
 
 
 # -----------------------------------------------------------------------------
-# Ctrl-C and SIGTERM: every rank stops without a traceback, nothing is left half-written, rank 0 says how to resume
+# Signals: on Ctrl-C or SIGTERM every rank stops without a traceback or a half-written file; rank 0 says how to resume
 
 SIGNALS = {"received": None, "deferred": False}
 
@@ -1164,8 +1164,8 @@ def load_rows(dataset, split, problem_column, context_column, data_select="all")
 
 
 # -----------------------------------------------------------------------------
-# Adapters, checkpoints and logs. Adapters use PEFT's on-disk layout, so PEFT, vLLM's LoRA loader and eval.py read
-# them; checkpoints are written to a temporary directory and renamed, so a kill never leaves half of one.
+# Adapters, checkpoints and logs: adapters in PEFT's on-disk layout (PEFT, vLLM and eval.py read them); checkpoints
+# written to a temporary directory and renamed, so a kill never leaves half of one
 
 ADAPTER_WEIGHTS, ADAPTER_CONFIG = "adapter_model.safetensors", "adapter_config.json"
 

@@ -37,3 +37,24 @@ def test_the_repository_cites_no_file_it_does_not_contain():
     for path in [ROOT / "README.md", *ROOT.glob("*.py"), *(ROOT / "tests").glob("*.py")]:
         found = outside.search(path.read_text())
         assert not found, f"{path.name} cites {found.group()}"
+
+
+def test_the_reading_map_lists_the_sections_of_opsd_in_order():
+    import re
+
+    lines = (ROOT / "opsd.py").read_text().splitlines()
+    banners = [lines[i + 1][2:].split(":")[0] for i, line in enumerate(lines[:-1]) if re.fullmatch(r"# -{20,}", line)]
+    section = (ROOT / "README.md").read_text().split("## Reading opsd.py", 1)[1].split("\n## ", 1)[0]
+    assert re.findall(r"^- \*\*(.+?)\*\*", section, re.M) == banners
+    assert len(banners) >= 15 and banners.index("The loss") < banners.index("The run") < banners.index("Flags")
+
+
+def test_opsd_reads_method_first_within_its_line_budget():
+    lines = (ROOT / "opsd.py").read_text().splitlines()
+    first = {name: next(i for i, l in enumerate(lines, 1) if l.startswith(f"def {name}(")) for name in
+             ("token_divergence", "main", "check_flags")}
+    assert first["token_divergence"] < 400 and first["main"] < first["check_flags"]
+    main_end = next(i for i in range(first["main"], len(lines)) if lines[i] and not lines[i].startswith((" ", ")")))
+    assert main_end - first["main"] + 1 <= 120
+    for name in ("opsd.py", "eval.py"):
+        assert max(map(len, (ROOT / name).read_text().splitlines())) <= 120, name
