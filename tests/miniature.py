@@ -92,7 +92,8 @@ def parse_args(argv=None):
                                             "arms against SFT and controls, scored by eval.py.")
     p.add_argument("--output-dir", help="results.json, the figures and one directory per run")
     p.add_argument("--arms", default=None,
-                   help=f"comma-separated arms from {', '.join(ARMS)} (default: {','.join(DEFAULT_ARMS)}; --quick: token)")
+                   help=f"comma-separated arms from {', '.join(ARMS)} "
+                        f"(default: {','.join(DEFAULT_ARMS)}; --quick: token)")
     p.add_argument("--seeds", default=None, help="comma-separated seeds every chosen arm runs with (default 1,2,3; "
                                                  "--quick: 1)")
     p.add_argument("--quick", action="store_true",
@@ -480,8 +481,9 @@ def figure_titles(results):
     else:
         seeds = sorted({results["seeds"][arm][0] for arm in arms})
         left = f"accuracy per arm: one run each (seed {', '.join(map(str, seeds))})"
-    quick = f"quick variant (--quick): one seed, avg@{results['n']}; not the full experiment" if results["quick"] else None
-    return left, quick
+    if not results["quick"]:
+        return left, None
+    return left, f"quick variant (--quick): one seed, avg@{results['n']}; not the full experiment"
 
 
 def plot(results, out_dir, path):
@@ -676,7 +678,8 @@ def main(argv=None):
     curves = {"n": args.curve_n, "every": args.curve_every, "arms": {}, "seed": {}} if args.curves else None
     same_eval = args.split == "dev" and args.n == args.curve_n  # a curve point is then the arm's own score
     if curves:
-        curves["base"] = base if same_eval else evaluate(model_dir, files["dev"], args.curve_n, out / "eval-curve-base")[0]
+        curves["base"] = base if same_eval else \
+            evaluate(model_dir, files["dev"], args.curve_n, out / "eval-curve-base")[0]
     for arm in args.arms:
         scores[arm] = []
         for k, seed in enumerate(args.seeds[arm]):
