@@ -682,9 +682,11 @@ def main(argv=None):
                       "time_sample": t1 - t0, "time_train": t2 - t1, "time_push": time_push,
                       "tokens_per_second": sums["tokens"] / (t3 - t0)}
             if is_main:
+                every = args.log_rollouts_every
+                due = every and ((step + 1) % every == 0 or step + 1 == args.max_steps)
                 rollouts = [{"step": step + 1, "prompt_index": indices[j], "tokens": len(c),
-                             "completion": tokenizer.decode(c)} for j, c in zip(mine, completions)]  # rank 0's share
-                log_step(args, record, rollouts, tracker)
+                             "completion": tokenizer.decode(c)} for j, c in zip(mine, completions)] if due else []
+                log_step(args, record, rollouts, tracker)  # rollouts: rank 0's share, when due
 
             # ---- checkpoint
             if args.save_every and (step + 1) % args.save_every == 0 and step + 1 < args.max_steps:
@@ -1264,16 +1266,14 @@ def log_step(args, record, rollouts, tracker):
           f"gap {record['logprob_gap_mean']:.1e}/{record['logprob_gap_max']:.1e}"
           + (f" <- gap above the {args.dtype} noise floor: stale weights or wrong positions?" if stale else ""),
           flush=True)
-    due = args.log_rollouts_every and (step % args.log_rollouts_every == 0 or step == args.max_steps)
     with uninterruptible():
         with open(out_dir / "metrics.jsonl", "a") as f:
             f.write(json.dumps(record) + "\n")
-        if due:
+        if rollouts:
             with open(out_dir / "rollouts.jsonl", "a") as f:
                 f.writelines(json.dumps(r) + "\n" for r in rollouts)
     if tracker:
-        table = wandb_table(rollouts) if due and rollouts else None
-        tracker.log({**record, **({"rollouts": table} if table else {})}, step=step)
+        tracker.log({**record, **({"rollouts": wandb_table(rollouts)} if rollouts else {})}, step=step)
 
 
 def wandb_table(rollouts):
