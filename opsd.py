@@ -697,7 +697,6 @@ def main(argv=None):
                 barrier()
 
         # ---- teardown: the final adapter (and the EMA teacher's), in PEFT's layout; then the engine
-        progress["step"] = args.max_steps
         if is_main:
             save_run_state(out_dir, model, lora_params, ema, args)
             print(f"final adapter -> {out_dir / 'final'}")
@@ -707,7 +706,6 @@ def main(argv=None):
         stop_engine(llm)
     if dist.is_initialized():
         dist.destroy_process_group()
-
 
 
 # =============================================================================
