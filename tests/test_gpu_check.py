@@ -25,7 +25,6 @@ def no_vllm_env(tmp_path_factory):
     block = tmp_path_factory.mktemp("no-vllm")
     (block / "vllm.py").write_text('raise ImportError("vllm is blocked for this test")\n')
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(block), os.environ.get("PYTHONPATH", "")]))
-    env.pop("CUDA_VISIBLE_DEVICES", None)
     return env
 
 
