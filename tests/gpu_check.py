@@ -52,7 +52,8 @@ import opsd  # noqa: E402
 LOSS_KW = dict(beta=0.0, temperature=1.1, clip="entry", tau=0.05)
 MIB = 2 ** 20
 
-# Qwen3-1.7B's published config (vocab, sizes, heads, tied embeddings, context, RoPE base, norm epsilon)
+# Qwen3-1.7B's published config (vocab, sizes, heads, tied embeddings, context, RoPE base, norm epsilon): 1.72B
+# parameters, 1.41B without the embedding (its model card: 1.7B and 1.4B)
 QWEN3_1_7B = dict(vocab_size=151_936, hidden_size=2048, intermediate_size=6144, num_hidden_layers=28,
                   num_attention_heads=16, num_key_value_heads=8, head_dim=128, tie_word_embeddings=True,
                   max_position_embeddings=40_960, rope_theta=1e6, rms_norm_eps=1e-6)
@@ -83,7 +84,7 @@ SIZES = {
 # through model-dtype logits and matmul (bf16 keeps 8 significant bits: 2^-8 = 4e-3 per rounding). Measured
 # on CPU in bf16, at the smoke sizes and at the full vocabulary and hidden size: loss 2e-8 and 3e-6, gradient
 # 3.2e-3 and 3.3e-3. The margins leave room for GPU kernels' other summation orders.
-F64_TOLERANCE = {torch.bfloat16: {"loss": 1e-3, "grad": 2e-2}, torch.float32: {"loss": 1e-5, "grad": 1e-4}}
+F64_TOLERANCE = {"loss": 1e-3, "grad": 2e-2}  # for bf16, the dtype of both sizes
 RESUME_LOSS_RTOL = 1e-6
 
 START = time.perf_counter()
@@ -199,7 +200,7 @@ def compare_with_float64(hs, ht, W, s):
         errors[name] = {"loss": ref.item(), "abs": {"loss": loss_err, "grad": diff.abs().max().item()},
                         "rel": {"loss": loss_err / abs(ref.item()), "grad": (diff.norm() / h64.grad.norm()).item()}}
         del h64, ref, diff
-    tol, rel = F64_TOLERANCE[s["dtype"]], errors["f64"]["rel"]
+    tol, rel = F64_TOLERANCE, errors["f64"]["rel"]
     return {"f64_positions": n, "f64_loss": errors["f64"]["loss"], "max_abs_err_vs_float64": errors["f64"]["abs"],
             "rel_err_vs_float64": rel, "f64_tolerance": tol,
             "matches_float64": rel["loss"] <= tol["loss"] and rel["grad"] <= tol["grad"],
