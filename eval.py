@@ -377,8 +377,7 @@ def read_samples(path):
     return done
 
 def check_resume(out_dir, config, problems, done):
-    """Settings count only once a sample exists: a run that died before sampling (a mistyped --model, say)
-    leaves nothing a corrected rerun must match. Contents are compared where both runs could hash them."""
+    """Settings count once a sample exists (a run that died before one binds no rerun); contents where both hashed."""
     if not done:
         return
     path = out_dir / "config.json"
@@ -391,6 +390,7 @@ def check_resume(out_dir, config, problems, done):
         if b in problems and (i >= len(problems[b]) or done[b, i, _].get("hash") != problems[b][i]["hash"]):
             raise SystemExit(f"{out_dir} holds samples of another {b} (problem {i} differs from the one "
                              "read now): use a new --output-dir.")
+
 def check_adapter(adapter, model, allow_other_base):
     path = Path(adapter)
     if not (path / "adapter_config.json").is_file():
