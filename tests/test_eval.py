@@ -1,7 +1,8 @@
 # python -m pytest tests/test_eval.py -x -q
 """eval.py end to end: the prompt against a hand-written string, then runs of main() on the tiny Qwen3
 with vLLM on CPU (files, counts, metrics recomputed from the file, resume after a kill, many seeded
-requests at once, an adapter from opsd.py). Grading: test_eval_grading.py; bad input: test_eval_input.py."""
+requests at once, an adapter from opsd.py and the hashes recorded, the LoRA ranks vLLM takes).
+Grading: test_eval_grading.py; bad input: test_eval_input.py; the command line: test_eval_cli.py."""
 
 import json
 import shutil
@@ -11,6 +12,7 @@ import pytest
 import torch
 
 import eval as ev
+from test_eval_input import adapter_sha256_by_definition, fingerprint_by_definition
 
 DATA = Path(__file__).resolve().parent / "data" / "eval_tiny.jsonl"
 N, MAX_NEW = 2, 48
@@ -140,6 +142,10 @@ def test_adapter_is_applied(tiny_model_dir, full_run, tmp_path):
         samples = by_key(read_jsonl(tmp_path / f"eval-{name}" / "samples.jsonl"))
         assert samples.keys() == base.keys()
         completions[name] = {k: s["completion"] for k, s in samples.items()}
+    # config.json records what lies behind the paths, by the definitions written out in test_eval_input.py.
+    recorded = json.loads((tmp_path / "eval-random" / "config.json").read_text())
+    assert recorded["adapter_sha256"] == adapter_sha256_by_definition(tmp_path / "random")
+    assert recorded["model_fingerprint"] == fingerprint_by_definition(Path(tiny_model_dir))
     # Same prompts and per-sample seeds, so only the weights differ: a zero update must reproduce
     # the base samples token for token, and a large random one must change (nearly) all of them.
     assert all(completions["zero"][k] == base[k]["completion"] for k in base)
@@ -157,3 +163,11 @@ def test_many_seeded_requests_at_once(tiny_model_dir, full_run, tmp_path):
     # A seeded sample does not depend on what else is queued: the first N equal the 6-request run's.
     base = by_key(read_jsonl(full_run / "samples.jsonl"))
     assert all(samples[k]["completion"] == base[k]["completion"] for k in base)
+
+
+def test_lora_ranks_are_those_vllm_takes():
+    from typing import get_args
+
+    from vllm.config.lora import MaxLoRARanks
+
+    assert ev.VLLM_LORA_RANKS == get_args(MaxLoRARanks)

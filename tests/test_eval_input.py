@@ -1,10 +1,15 @@
 # python -m pytest tests/test_eval_input.py -q
 """eval.py refuses bad input early, in one sentence, before any model or engine loads: flag ranges,
-data files (empty, malformed line, null answer), adapters without weights, a mistyped --model, and
-output directories whose samples came from other settings or other problems. --help shows defaults
-and the columns a data file needs. No vLLM here: every case stops before the engine would start."""
+data files (empty, malformed line, null answer), adapters without weights, of a rank vLLM cannot serve or
+trained on another model, a mistyped --model, and output directories whose samples came from other settings,
+other problems or other weights behind the same paths (the model fingerprint and adapter hash, checked
+against their definitions). --help shows defaults and the columns a data file needs. No vLLM here: every
+case stops before the engine would start."""
 
+import hashlib
 import json
+import os
+import random
 import subprocess
 import sys
 from pathlib import Path
@@ -136,11 +141,12 @@ def test_adapter_without_weights_is_refused(tmp_path):
 # -----------------------------------------------------------------------------
 # Output directories that already hold samples
 
-def write_run(out, problems, model, n=1):
-    """A finished run's files: config.json and one correct record per (problem, sample)."""
+def write_run(out, problems, model, n=1, flags=(), **recorded):
+    """A finished run's files: config.json (the settings, and `recorded` contents) and one correct record per
+    (problem, sample)."""
     out.mkdir(parents=True)
-    args = ev.parse_args(["--model", model, "--output-dir", str(out)])
-    (out / "config.json").write_text(json.dumps({k: getattr(args, k) for k in ev.SAMPLING_KEYS}))
+    args = ev.parse_args(["--model", model, "--output-dir", str(out), *flags])
+    (out / "config.json").write_text(json.dumps({**{k: getattr(args, k) for k in ev.SAMPLING_KEYS}, **recorded}))
     records = [{"benchmark": "tiny", "problem": i, "sample": j, "hash": p["hash"], "answer": p["answer"],
                 "correct": True, "tokens": 5, "truncated": False} for i, p in enumerate(problems) for j in range(n)]
     (out / "samples.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
@@ -173,3 +179,156 @@ def test_another_file_under_the_same_name_is_refused(tmp_path):
     other.write_text("".join(json.dumps(r) + "\n" for r in rows[:1]))
     assert "holds samples of another tiny (problem 1 differs" in refusal(["--data", f"tiny={other}", "--n", "1"],
                                                                         tmp_path)
+
+
+# -----------------------------------------------------------------------------
+# Contents, not paths: the model fingerprint, the adapter hash, and adapters that do not fit
+
+CHUNK = 64 * 1024
+
+
+def fake_model(directory, sizes, seed=0, suffix=".safetensors"):
+    """A model directory as far as fingerprints go: config.json and weight files of random bytes."""
+    rng = random.Random(seed)
+    directory.mkdir(parents=True)
+    (directory / "config.json").write_text(json.dumps({"model_type": "qwen3", "seed": seed}))
+    for k, size in enumerate(sizes):
+        (directory / f"model-{k:05d}{suffix}").write_bytes(rng.randbytes(size))
+    return directory
+
+
+def fingerprint_by_definition(directory):
+    """sha256 over config.json's bytes, then per weight file (sorted; *.safetensors, else *.bin) its name, its
+    size and 16 samples of 64 KiB at byte k * (size - 64 KiB) // 15 for k = 0..15, or all of it under 1 MiB;
+    name and size as the text 'name NUL size NUL'."""
+    data = (directory / "config.json").read_bytes()
+    for f in sorted(directory.glob("*.safetensors")) or sorted(directory.glob("*.bin")):
+        raw = f.read_bytes()
+        data += f.name.encode() + b"\0" + str(len(raw)).encode() + b"\0"
+        if len(raw) < 16 * CHUNK:
+            data += raw
+        else:
+            data += b"".join(raw[k * (len(raw) - CHUNK) // 15:][:CHUNK] for k in range(16))
+    return hashlib.sha256(data).hexdigest()
+
+
+def flip(path, offset):
+    raw = bytearray(path.read_bytes())
+    raw[offset] ^= 0xFF
+    path.write_bytes(bytes(raw))
+
+
+def test_model_fingerprint_follows_its_definition(tmp_path):
+    model = fake_model(tmp_path / "m", [3 * 2**20 + 7, 1000, 2**20])  # sampled, whole, sampled at exactly 1 MiB
+    (model / "ignored.bin").write_bytes(b"not read while safetensors exist")
+    assert ev.model_fingerprint(str(model)) == fingerprint_by_definition(model)
+    bins = fake_model(tmp_path / "b", [2 * 2**20], suffix=".bin")  # no safetensors: the .bin files count
+    assert ev.model_fingerprint(str(bins)) == fingerprint_by_definition(bins)
+    assert ev.model_fingerprint(str(tmp_path / "empty")) is None  # no such directory: nothing to fingerprint
+
+
+def test_model_fingerprint_sees_the_sampled_bytes_and_the_sizes(tmp_path):
+    model = fake_model(tmp_path / "m", [3 * 2**20, 5000])
+    big, small = sorted(model.glob("*.safetensors"))
+    before = ev.model_fingerprint(str(model))
+    flip(big, 5 * (3 * 2**20 - CHUNK) // 15 + 100)  # inside the 6th sample
+    after = ev.model_fingerprint(str(model))
+    assert after != before
+    flip(big, CHUNK + 10)  # between the 1st and 2nd samples (about 205 KiB apart): not read, by design
+    assert ev.model_fingerprint(str(model)) == after
+    flip(small, 4321)  # a file under 1 MiB is read whole
+    assert ev.model_fingerprint(str(model)) != after
+    fingerprint = ev.model_fingerprint(str(model))
+    small.write_bytes(small.read_bytes() + b"\0")
+    assert ev.model_fingerprint(str(model)) != fingerprint
+
+
+def test_a_hub_id_resolves_to_its_cached_snapshot_without_network(tmp_path, monkeypatch):
+    import huggingface_hub.constants
+
+    # The Hugging Face cache layout: models--{owner}--{name}/refs/main names the snapshot directory.
+    repo = tmp_path / "hub" / "models--org--tiny"
+    (repo / "refs").mkdir(parents=True)
+    (repo / "refs" / "main").write_text("0123abcd")
+    snapshot = fake_model(repo / "snapshots" / "0123abcd", [2 * 2**20])
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    assert ev.model_dir("org/tiny") == snapshot.resolve()
+    assert ev.model_fingerprint("org/tiny") == fingerprint_by_definition(snapshot)
+    assert ev.model_fingerprint("org/not-cached") is None
+
+
+def fake_adapter(directory, base, rank=8, weights=b"lora weights"):
+    directory.mkdir(parents=True)
+    (directory / "adapter_config.json").write_text(json.dumps({"r": rank, "base_model_name_or_path": base}))
+    (directory / "adapter_model.safetensors").write_bytes(weights)
+    return directory
+
+
+def adapter_sha256_by_definition(adapter):
+    return hashlib.sha256((adapter / "adapter_config.json").read_bytes()
+                          + (adapter / "adapter_model.safetensors").read_bytes()).hexdigest()
+
+
+def test_changed_model_weights_are_refused_on_resume(tmp_path):
+    model = fake_model(tmp_path / "model", [2 * 2**20])
+    problems = ev.load_problems("tiny", str(DATA), "problem", "answer")
+    write_run(tmp_path / "out", problems, str(model), model_fingerprint=fingerprint_by_definition(model))
+    argv = ["--data", f"tiny={DATA}", "--n", "1"]
+    assert ev.main(["--model", str(model), "--output-dir", str(tmp_path / "out"), *argv])["metrics"]["tiny"]
+    flip(next(model.glob("*.safetensors")), 0)  # the same path, other weights
+    message = refusal(argv, tmp_path, model=str(model))
+    assert message == f"{tmp_path / 'out'} holds samples drawn with other model weights: use a new --output-dir."
+
+
+def test_changed_adapter_weights_are_refused_on_resume(tmp_path):
+    model = fake_model(tmp_path / "model", [2 * 2**20])
+    adapter = fake_adapter(tmp_path / "adapter", str(model))
+    problems = ev.load_problems("tiny", str(DATA), "problem", "answer")
+    write_run(tmp_path / "out", problems, str(model), flags=["--adapter", str(adapter)],
+              adapter_sha256=adapter_sha256_by_definition(adapter))
+    argv = ["--data", f"tiny={DATA}", "--n", "1", "--adapter", str(adapter)]
+    summary = ev.main(["--model", str(model), "--output-dir", str(tmp_path / "out"), *argv])
+    assert summary["config"]["adapter_sha256"] == adapter_sha256_by_definition(adapter)
+    (adapter / "adapter_model.safetensors").write_bytes(b"retrained lora weights")
+    message = refusal(argv, tmp_path, model=str(model))
+    assert message == f"{tmp_path / 'out'} holds samples drawn with other adapter weights: use a new --output-dir."
+
+
+def test_an_adapter_trained_on_another_model_is_refused(tmp_path, monkeypatch):
+    import huggingface_hub.constants
+
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path / "empty-cache"))
+    model = fake_model(tmp_path / "model", [2 * 2**20], seed=1)
+    other = fake_model(tmp_path / "other", [2 * 2**20], seed=2)
+    for base in ("org/other-model", str(other)):  # a hub id this machine does not hold; other weights
+        adapter = fake_adapter(tmp_path / f"adapter-{len(base)}", base)
+        message = refusal(["--data", f"tiny={DATA}", "--adapter", str(adapter)], tmp_path, model=str(model))
+        assert message == (f"{adapter} was trained on {base}, which is neither the directory nor the weights of "
+                           f"--model {model}: pass --model {base}, or --allow-other-base to evaluate it on this "
+                           "model.")
+        assert not (tmp_path / "out").exists()
+        assert ev.check_adapter(str(adapter), str(model), allow_other_base=True) is None
+
+
+def test_an_adapter_of_the_same_model_elsewhere_is_accepted(tmp_path, monkeypatch):
+    model = fake_model(tmp_path / "model", [2 * 2**20])
+    copy = tmp_path / "copy"
+    copy.mkdir()
+    for f in model.iterdir():
+        (copy / f.name).write_bytes(f.read_bytes())
+    monkeypatch.chdir(tmp_path)
+    for base in ("model", "./model/", str(copy)):  # the same directory written otherwise; the same files elsewhere
+        assert ev.check_adapter(str(fake_adapter(tmp_path / f"a{len(base)}", base)), str(model), False) is None
+
+
+@pytest.mark.parametrize("rank, accepted", [(1, True), (64, True), (512, True), (513, False), (1024, False),
+                                            (0, False), ("8", False)])
+def test_a_lora_rank_vllm_cannot_serve_is_refused(tmp_path, rank, accepted):
+    adapter = fake_adapter(tmp_path / "adapter", str(tmp_path), rank=rank)
+    if accepted:
+        assert ev.check_adapter(str(adapter), str(tmp_path), False) is None
+    else:
+        message = refusal(["--data", f"tiny={DATA}", "--adapter", str(adapter)], tmp_path)
+        assert message == (f"{adapter} has LoRA rank {rank}, and vLLM serves ranks 1 to 512: "
+                           "train with a smaller --lora-r.")

@@ -1,0 +1,66 @@
+# python -m pytest tests/test_eval_cli.py -q
+"""eval.py as a new user meets it, through its command line: without network the default benchmarks are refused in
+a few seconds, in one sentence naming the offline way, before any engine starts; a real run on the tiny model
+prints its progress and table, not vLLM's log, and ends without vLLM warning that its engine died."""
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+DATA = ROOT / "tests" / "data" / "eval_tiny.jsonl"
+
+
+def eval_py(argv, **env):
+    """Run eval.py as a user would: vLLM's own settings unset (the test session sets some), `env` added."""
+    clean = {k: v for k, v in os.environ.items() if not k.startswith(("VLLM_", "HF_"))}
+    start = time.perf_counter()
+    out = subprocess.run([sys.executable, str(ROOT / "eval.py"), *argv], capture_output=True, text=True,
+                         env={**clean, **env}, cwd=ROOT, timeout=600)
+    return out, time.perf_counter() - start
+
+
+@pytest.mark.parametrize("offline", [
+    {"HF_ENDPOINT": "http://127.0.0.1:9"},  # nothing listens there: the Hub does not answer
+    {"HF_HUB_OFFLINE": "1"},                # the user says so
+])
+def test_without_network_the_default_benchmarks_are_refused_at_once(tmp_path, offline):
+    # An empty cache, so no copy of the benchmarks can stand in.
+    out, seconds = eval_py(["--model", str(tmp_path), "--output-dir", str(tmp_path / "out")],
+                           HF_HOME=str(tmp_path / "hf"), **offline)
+    assert out.returncode == 2, out.stderr
+    assert out.stderr.strip().splitlines()[-1] == (
+        "eval.py: error: HuggingFaceH4/aime_2024 is not in the local cache and the Hugging Face Hub cannot be "
+        "reached: evaluate offline from a local copy with --data NAME=PATH.")
+    assert seconds < 10
+    assert not (tmp_path / "out").exists()  # refused before an output directory, let alone an engine
+
+
+def test_a_run_prints_its_progress_and_table_not_vllms_log(tiny_model_dir, tmp_path):
+    out, _ = eval_py(["--model", tiny_model_dir, "--data", f"tiny={DATA}", "--n", "1", "--max-new-tokens", "8",
+                      "--enforce-eager", "--output-dir", str(tmp_path)])
+    assert out.returncode == 0, out.stderr
+    lines = (out.stdout + out.stderr).splitlines()
+    assert not [line for line in lines if " INFO " in line or " WARNING " in line], "\n".join(lines)
+    printed = out.stdout.splitlines()
+    assert "0 of 3 samples already in" in printed[0] and "3/3 samples" in printed
+    table = [line.split() for line in printed[-3:]]
+    assert table[0][:3] == ["benchmark", "problems", "avg@1"] and table[1][:2] == ["tiny", "3"]
+    assert table[2][:2] == ["all", "3"]
+
+
+def test_the_engine_is_shut_down_cleanly(tiny_model_dir, tmp_path):
+    # vLLM's own engine process (its default, and the GPU path) and its warnings shown, as a user may ask: left to
+    # vLLM's exit handlers the engine process was killed, with a warning that it "exited unexpectedly".
+    out, _ = eval_py(["--model", tiny_model_dir, "--data", f"tiny={DATA}", "--n", "1", "--max-new-tokens", "8",
+                      "--enforce-eager", "--output-dir", str(tmp_path)],
+                     VLLM_ENABLE_V1_MULTIPROCESSING="1", VLLM_LOGGING_LEVEL="WARNING")
+    assert out.returncode == 0, out.stderr
+    text = out.stdout + out.stderr
+    assert " WARNING " in text and " INFO " not in text  # the user's level holds
+    assert "exited unexpectedly" not in text and "force kill" not in text
+    assert out.stdout.splitlines()[-1].split()[:2] == ["all", "3"]
