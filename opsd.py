@@ -924,21 +924,22 @@ def run_fingerprint(args, prompts, device):
 
 
 def model_fingerprint(model):
-    """sha256 of config.json and of each weight file's name, size and bytes: all of them up to 64 MiB, else 16 evenly
-    spaced MiB (retrained or re-released weights change every tensor), so it costs a second even for large models."""
+    """sha256 of config.json and of each weight file's name, size and 16 evenly spaced 64 KiB samples (the whole
+    file under 1 MiB): cheap at any size, and retrained or re-released weights change every tensor. eval.py
+    records the same fingerprint."""
     from transformers.utils import cached_file
 
     folder = Path(model).expanduser()
     folder = folder if folder.is_dir() else Path(cached_file(model, "config.json")).parent
     digest = hashlib.sha256((folder / "config.json").read_bytes())
     for path in sorted(folder.glob("*.safetensors")) or sorted(folder.glob("*.bin")):
-        size, block = path.stat().st_size, 2**20
-        digest.update(f"{path.name} {size}".encode())
+        size, chunk = path.stat().st_size, 64 << 10
+        digest.update(f"{path.name}\0{size}\0".encode())
+        read = chunk if size >= 16 * chunk else size
         with open(path, "rb") as f:
-            for i in range(16) if size > 64 * block else []:
-                f.seek(i * (size - block) // 15)
-                digest.update(f.read(block))
-            digest.update(f.read() if size <= 64 * block else b"")
+            for k in range(16 if read < size else 1):
+                f.seek(k * (size - read) // 15)
+                digest.update(f.read(read))
     return digest.hexdigest()
 
 
