@@ -26,7 +26,6 @@ SAMPLING_KEYS = ("model", "adapter", "thinking", "temperature", "top_p", "max_ne
 CONTENT_KEYS = {"model_fingerprint": "model weights", "adapter_sha256": "adapter weights"}
 VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # the max_lora_rank values vLLM 0.32 takes
 
-
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0].strip(),
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
@@ -58,10 +57,12 @@ def parse_args(argv=None):
     check_flags(args)
     return args
 
+
 # -----------------------------------------------------------------------------
 # Prompts and sampling with vLLM
 # The released prompt as token ids; one engine samples everything, each sample with its own seed (a restart
 # draws the same sample again) and written to samples.jsonl the moment it finishes.
+
 def build_prompt(problem):
     return f"{problem}\n\n{INSTRUCTION}"
 
@@ -132,10 +133,12 @@ def draw(args, problems, todo, out_dir, config):
     # Stopped here: left to vLLM's exit handlers, the engine process is killed and reported "exited unexpectedly".
     engine.engine_core.shutdown(timeout=60)
 
+
 # -----------------------------------------------------------------------------
 # Grading and metrics
 # The released evaluation's verdict (the last \boxed's content against the gold answer, by math_verify), and
 # the metrics from the sample records alone, so that a resumed run and an uninterrupted one agree.
+
 def extract_boxed(text):
     """The content of the LAST \\boxed{...}, braces matched; None if they never close or no brace follows \\boxed."""
     start = text.rfind("\\boxed{")
@@ -214,9 +217,11 @@ def format_table(summary, n):
         lines.append(f"{name:<12}" + "".join(cells))
     return "\n".join(lines)
 
+
 # -----------------------------------------------------------------------------
 # Run
 # Check what a user can get wrong, read the problems, draw what samples.jsonl lacks, summarise the file.
+
 def main(argv=None):
     args = parse_args(argv)
     sources = benchmark_sources(args.benchmarks, args.data)
@@ -251,9 +256,11 @@ def main(argv=None):
 # =============================================================================
 # What keeps an evaluation honest
 # Bad input is refused early, in one sentence, before any engine starts; a restart cannot mix in other samples.
+
 # -----------------------------------------------------------------------------
 # Flags and data
 # Flag ranges, benchmark names, and reading the problems: a bad file is named with its line or row.
+
 def check_flags(args):
     for flag, ok, rule in [
         ("--n", args.n >= 1, "at least 1"),
@@ -354,10 +361,12 @@ def load_problems(name, source, problem_column, answer_column):
         problems.append({"problem": problem, "answer": answer, "hash": digest})
     return problems
 
+
 # -----------------------------------------------------------------------------
 # Resume, and contents rather than paths
 # samples.jsonl is the only state: a restart keeps its whole records and refuses samples drawn under other settings,
 # problems or weights (a fingerprint of the model's files, a hash of the adapter's); an adapter must fit the model.
+
 def read_samples(path):
     """Records by (benchmark, problem, sample); a line cut by a kill is dropped, so none is appended to a fragment."""
     if not path.exists():
@@ -438,7 +447,6 @@ def model_fingerprint(model, chunk=64 << 10):
                 f.seek(k * (size - read) // 15)
                 h.update(f.read(read))
     return h.hexdigest()
-
 
 if __name__ == "__main__":
     try:

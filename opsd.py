@@ -62,7 +62,6 @@ from safetensors.torch import load_file, save_file
 CLIP_MODES = ("entry", "token", "none")
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
-
 def parse_args(argv=None):
     p = argparse.ArgumentParser(
         description="On-Policy Self-Distillation with a hand-rolled LoRA and vLLM rollouts. The dataset needs a "
@@ -140,10 +139,8 @@ TRANSITION = (
     "backtrack or reconsider if something doesn't work out:\n"
 )
 
-
 def student_message(problem):
     return f"Problem: {problem}\n\n{INSTRUCTION}"
-
 
 def teacher_message(problem, context):
     return (
@@ -154,12 +151,10 @@ def teacher_message(problem, context):
         f"{INSTRUCTION}"
     )
 
-
 def render(tokenizer, message, thinking):
     """Token ids of a one-turn chat ending in the assistant's generation prompt (no system prompt)."""
     return tokenizer.apply_chat_template([{"role": "user", "content": message}], add_generation_prompt=True,
                                          enable_thinking=thinking, tokenize=True, return_dict=False)
-
 
 def build_prompts(tokenizer, rows, *, student_thinking, teacher_thinking, max_prompt_length):
     """[(student prompt ids, teacher prompt ids)], dropping rows whose prompts exceed max_prompt_length."""
@@ -175,7 +170,6 @@ def build_prompts(tokenizer, rows, *, student_thinking, teacher_thinking, max_pr
         fail(f"No row fits --max-prompt-length {max_prompt_length}: raise it.")
     return prompts
 
-
 def step_indices(step, prompts_per_step, num_prompts, seed):
     """Prompt indices of optimizer step `step`: the data stream walks a fresh seeded permutation each
     epoch, so the order depends only on (seed, step) and a resumed run needs no data-loader state."""
@@ -190,7 +184,6 @@ def step_indices(step, prompts_per_step, num_prompts, seed):
 
 # -----------------------------------------------------------------------------
 # LoRA: y = W x + (alpha / r) B A x on every attention and MLP projection, hand-rolled
-
 
 class LoRALinear(nn.Module):
     """A frozen linear layer plus a trainable low-rank update. `weight` and `bias` are the wrapped layer's own
@@ -220,7 +213,6 @@ class LoRALinear(nn.Module):
         # so the base model (the fixed teacher) cannot drift from repeated merges.
         return (self.weight.float() + self.scale * (self.lora_B @ self.lora_A)).to(self.weight.dtype)
 
-
 def add_lora(model, r, alpha, seed=0, targets=LORA_TARGETS):
     """Wrap every nn.Linear child named in `targets`, freeze all else; return the LoRA parameters. The A
     matrices come from one CPU generator seeded with `seed`, in module order, whatever the device.
@@ -239,10 +231,8 @@ def add_lora(model, r, alpha, seed=0, targets=LORA_TARGETS):
                 setattr(module, child_name, LoRALinear(child, r, alpha, generator))
     return [p for m in lora_layers(model).values() for p in (m.lora_A, m.lora_B)]
 
-
 def lora_layers(model):
     return {name: m for name, m in model.named_modules() if isinstance(m, LoRALinear)}
-
 
 @torch.no_grad()
 def merged_weights(model):
@@ -254,7 +244,6 @@ def merged_weights(model):
 
 # -----------------------------------------------------------------------------
 # Batches: [left pads | prompt | completion | right pads], the prompt flush against the completion
-
 
 def build_batch(prompts, completions, pad_id, device):
     """Model inputs for one micro-batch, and the mask of completion tokens (B, P + L). Left padding puts every
@@ -277,7 +266,6 @@ def build_batch(prompts, completions, pad_id, device):
 
 # -----------------------------------------------------------------------------
 # Rollout: one vLLM engine per rank, sampling from token ids; weights pushed in place and read back
-
 
 def start_engine(args, rank, world_size, device):
     from vllm import LLM
@@ -302,7 +290,6 @@ def start_engine(args, rank, world_size, device):
         **extra,
     )
 
-
 def sample(llm, prompts, seeds, args):
     """Completions (token ids, with the final EOS when one was sampled) and vLLM's raw log-prob of each token
     (before temperature and top-k/top-p, as the trainer's side of the gap). One seed per request: the in-process
@@ -320,14 +307,12 @@ def sample(llm, prompts, seeds, args):
         logprobs.append([lp[token].logprob for lp, token in zip(out.outputs[0].logprobs, tokens)])
     return completions, logprobs
 
-
 def fingerprint(weight):
     """An exact fingerprint of a weight's values: its bits read as integers (-0.0 as 0.0), summed plainly, squared
     and weighted by position, in wrapping int64 arithmetic, so the order of summation cannot change it."""
     bits = (weight.detach() + 0.0).contiguous().view(getattr(torch, f"int{8 * weight.element_size()}")).flatten()
     bits, position = bits.long(), torch.arange(1, bits.numel() + 1, device=bits.device)
     return tuple(int(s) for s in (bits.sum(), (bits * bits).sum(), (bits * position).sum()))
-
 
 @torch.no_grad()
 def engine_fingerprints(model):
@@ -346,7 +331,6 @@ def engine_fingerprints(model):
             prints.update({f"{parent}.{p}.weight": fingerprint(w) for p, w in zip(stacked.get(short, [short]), parts)})
     return prints
 
-
 def push_weights(llm, model):
     """Update inference engine weights: merged LoRA weights into the running engine, read back and checked, then
     drop the prefix cache (its KV entries were computed with the old weights). Returns the seconds it took."""
@@ -362,7 +346,6 @@ def push_weights(llm, model):
         raise RuntimeError("vLLM refused to reset its prefix cache after a weight push: cached KV would be stale.")
     return time.perf_counter() - start
 
-
 def stop_engine(llm):
     """Shut the in-process engine down; vLLM's teardown also destroys the default process group."""
     llm.llm_engine.engine_core.shutdown()
@@ -370,7 +353,6 @@ def stop_engine(llm):
 
 # -----------------------------------------------------------------------------
 # The loss: a per-token divergence between teacher and student next-token distributions
-
 
 def token_divergence(student_logits, teacher_logits, *, beta=0.0, temperature=1.0, clip="entry", tau=0.05):
     """Per-position loss contribution D(p_T || p_S) after clipping, in float32. Shapes (..., V) -> (...)."""
@@ -401,11 +383,9 @@ def token_divergence(student_logits, teacher_logits, *, beta=0.0, temperature=1.
         k = k * (tau / k.clamp(min=tau)).detach()
     return k
 
-
 def final_hidden(model, inputs):
     """(B, T, H) hidden states after the final norm, before the lm_head: the loss makes logits in chunks."""
     return model.base_model(**inputs, use_cache=False).last_hidden_state
-
 
 def opsd_loss(student_hidden, student_mask, teacher_hidden, teacher_mask, lm_head_weight, num_tokens,
               targets=None, *, loss_positions=None, beta=0.0, temperature=1.0, clip="entry", tau=0.05, chunk_size=256):
@@ -449,7 +429,6 @@ def opsd_loss(student_hidden, student_mask, teacher_hidden, teacher_mask, lm_hea
 # -----------------------------------------------------------------------------
 # The KL diagnostic: how far the teacher is from the student, at the scale the clip sees
 
-
 @torch.no_grad()
 def divergence_stats(student_logits, teacher_logits, targets, *, temperature, tau):
     """Per position, whatever the loss's beta and clip (both distributions at the loss temperature):
@@ -465,7 +444,6 @@ def divergence_stats(student_logits, teacher_logits, targets, *, temperature, ta
     kl, clipped_mass = d.sum(-1), p_t.mul_(d > tau).sum(-1)
     return torch.stack([kl, clipped_mass, logprob], dim=-1)  # (C, 3)
 
-
 def diagnostic_sums(stats, first, sampler_logprobs, tau):
     """This step's sums over all ranks, from the per-position stats of this rank: (N, 3) for all completion
     positions and (rows, 3) for the first position of each completion. gap = |vLLM's - trainer's log-prob|."""
@@ -477,7 +455,6 @@ def diagnostic_sums(stats, first, sampler_logprobs, tau):
     gap_max = gap.max() if len(gap) else stats.new_zeros(())
     sums["gap_max"] = float(all_reduce(gap_max, dist.ReduceOp.MAX if dist.is_initialized() else None))
     return sums
-
 
 def kl_window_means(window, kl_window):
     """Means over the most recent steps (window: per-step sums, newest last) that cover at least
@@ -494,7 +471,6 @@ def kl_window_means(window, kl_window):
 # -----------------------------------------------------------------------------
 # LR schedule: linear warmup, then a cosine decay to --min-lr
 
-
 def lr_at(step, *, lr, max_steps, warmup_steps=0, min_lr=0.0):
     """Learning rate of optimizer step `step` (0-based, 0 .. max_steps - 1)."""
     # 1) linear warmup: lr * (step + 1) / warmup_steps, so the first step already moves the weights
@@ -508,7 +484,6 @@ def lr_at(step, *, lr, max_steps, warmup_steps=0, min_lr=0.0):
 # -----------------------------------------------------------------------------
 # The teacher's weights: the base model (LoRA off), the student's own, or an EMA of the student's LoRA
 
-
 def teacher_weights(model, lora_params, teacher, ema):
     """The teacher's weights for its forward: base (LoRA off), current (the student's), or the EMA's
     LoRA values (the student's until the first optimizer step, when no EMA exists yet)."""
@@ -517,7 +492,6 @@ def teacher_weights(model, lora_params, teacher, ema):
     if teacher == "ema" and ema is not None:
         return lora_values(lora_params, ema)
     return nullcontext()
-
 
 @contextmanager
 def lora_disabled(model):
@@ -530,7 +504,6 @@ def lora_disabled(model):
     finally:
         for m in layers:
             m.enabled = True
-
 
 @contextmanager
 @torch.no_grad()
@@ -545,7 +518,6 @@ def lora_values(lora_params, values):
         for p, s in zip(lora_params, student):
             p.copy_(s)
 
-
 @torch.no_grad()
 def ema_update(ema, lora_params, decay):
     """The EMA teacher's LoRA weights after an optimizer step. None before the first step: the first
@@ -559,7 +531,6 @@ def ema_update(ema, lora_params, decay):
 
 # -----------------------------------------------------------------------------
 # One optimizer step: forward and backward over micro-batches, the gradient summed over ranks
-
 
 def backward_step(model, lora_params, student_prompts, teacher_prompts, completions, *, pad_id, micro_batch_size,
                   teacher, ema=None, skip_first_tokens=0, **loss_kw):
@@ -602,7 +573,6 @@ def backward_step(model, lora_params, student_prompts, teacher_prompts, completi
 
 # -----------------------------------------------------------------------------
 # The run: generate, train, push, log, checkpoint
-
 
 def main(argv=None):
     args = parse_args(argv)
@@ -716,22 +686,18 @@ def main(argv=None):
 # -----------------------------------------------------------------------------
 # Errors and ranks: one sentence per error, said once; torchrun sets RANK / WORLD_SIZE, `python opsd.py` is one
 
-
 def is_rank0():
     return int(os.environ.get("RANK", 0)) == 0
-
 
 def print0(*a, **kw):
     if is_rank0():
         print(*a, **kw, flush=True)
-
 
 def fail(message):
     """Stop on a user error with one sentence: every rank finds it, only rank 0 says it."""
     if is_rank0():
         print(f"opsd.py: error: {message}", file=sys.stderr, flush=True)
     raise SystemExit(2)
-
 
 def fail_if_any_rank(problem, device):
     """Stop every rank when one rank found a problem (None: none); the lowest such rank says it."""
@@ -741,7 +707,6 @@ def fail_if_any_rank(problem, device):
         if rank == first:
             print(f"opsd.py: error: {problem}", file=sys.stderr, flush=True)
         raise SystemExit(2)
-
 
 def init_distributed(device_flag):
     rank, world_size = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
@@ -761,13 +726,11 @@ def init_distributed(device_flag):
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     return rank, world_size, device
 
-
 def all_reduce(tensor, op=None):
     """Sum (or `op`) over ranks, in place; a no-op in a world of one."""
     if dist.is_initialized():
         dist.all_reduce(tensor, op=op or dist.ReduceOp.SUM)
     return tensor
-
 
 def barrier():
     if dist.is_initialized():
@@ -779,12 +742,10 @@ def barrier():
 
 SIGNALS = {"received": None, "deferred": False}
 
-
 def on_signal(signum, frame):
     SIGNALS["received"] = signum
     if not SIGNALS["deferred"]:
         raise KeyboardInterrupt
-
 
 @contextmanager
 def uninterruptible():
@@ -796,7 +757,6 @@ def uninterruptible():
         SIGNALS["deferred"] = False
     if SIGNALS["received"]:
         raise KeyboardInterrupt
-
 
 @contextmanager
 def stop_quietly_on_signals(args, world_size, argv):
@@ -825,7 +785,6 @@ def stop_quietly_on_signals(args, world_size, argv):
 
 # -----------------------------------------------------------------------------
 # Flags: every range and combination checked before anything loads
-
 
 def check_flags(args):
     checks = [
@@ -869,17 +828,14 @@ RESUMABLE_CHANGES = ("output_dir", "resume", "overwrite", "micro_batch_size", "g
                      "loss_chunk_size", "vllm_memory", "device", "save_every", "kl_window", "log_rollouts_every",
                      "wandb_project")
 
-
 def run_files(out_dir):
     """What a run leaves in its directory."""
     names = ["args.json", "metrics.jsonl", "rollouts.jsonl", "final"]
     return [out_dir / n for n in names if (out_dir / n).exists()] + sorted(out_dir.glob("checkpoint-*"))
 
-
 def latest_checkpoint(out_dir):
     steps = [int(d.name.split("-")[1]) for d in Path(out_dir).glob("checkpoint-*") if (d / "trainer_state.pt").exists()]
     return Path(out_dir) / f"checkpoint-{max(steps)}" if steps else None
-
 
 def check_output_dir(args, rank):
     """Before anything loads: the checkpoint to resume from (None for a new run), or one sentence why not."""
@@ -912,7 +868,6 @@ def check_output_dir(args, rank):
         fail(f"--resume: {out_dir} holds no checkpoint yet; restart the run with --overwrite.")
     return checkpoint
 
-
 def run_fingerprint(args, prompts, device):
     """What a resume must find unchanged, by content: the prompts (their number and a hash of their token ids:
     together they fix every step's data), the model's files and the device type (CPU and CUDA sample apart)."""
@@ -921,7 +876,6 @@ def run_fingerprint(args, prompts, device):
         ids.update(array("q", [len(student), len(teacher), *student, *teacher]).tobytes())
     return {"prompts": len(prompts), "prompt_ids_sha256": ids.hexdigest(), "model": model_fingerprint(args.model),
             "device": device.type}
-
 
 def model_fingerprint(model):
     """sha256 of config.json and of each weight file's name, size and 16 evenly spaced 64 KiB samples (the whole
@@ -942,7 +896,6 @@ def model_fingerprint(model):
                 digest.update(f.read(read))
     return digest.hexdigest()
 
-
 def check_fingerprint(checkpoint, fingerprint):
     saved = torch.load(checkpoint / "trainer_state.pt", map_location="cpu", weights_only=True, mmap=True)
     saved = saved.get("fingerprint", fingerprint)  # checkpoints of an older opsd.py hold none
@@ -952,7 +905,6 @@ def check_fingerprint(checkpoint, fingerprint):
     if changed:
         fail(f"--resume: {', '.join(changed)} changed since {checkpoint} was written, so the resumed steps would "
              "differ from the run's: resume with the same data, model and device, or start a new --output-dir.")
-
 
 def open_run(args, start_step):
     """Rank 0: delete the old run (--overwrite), record the flags, cut the logs back to the resumed step (dropping
@@ -973,13 +925,11 @@ def open_run(args, start_step):
         return wandb.init(project=args.wandb_project, name=out_dir.name, config=vars(args), dir=str(out_dir))
     return None
 
-
 def record_step(line):
     try:
         return json.loads(line)["step"]
     except (ValueError, KeyError, TypeError):  # the tail of a write that a kill cut short
         return math.inf
-
 
 def write_atomically(path, text):
     tmp = path.with_name(f".tmp-{path.name}")
@@ -990,13 +940,11 @@ def write_atomically(path, text):
 # -----------------------------------------------------------------------------
 # Model guards: the loss assumes logits = final hidden state @ lm_head.weight^T and all seven LoRA projections
 
-
 def local_path(value):
     """True when `value` names a local file or directory rather than a hub id (org/name)."""
     path = Path(value).expanduser()
     return (path.exists() or value.startswith((".", "/", "~")) or value.count("/") > 1
             or (len(path.parts) > 1 and Path(path.parts[0]).is_dir()))
-
 
 def load_config(args):
     """The model's config, before anything big loads: fields that change logits are refused, and the context
@@ -1019,7 +967,6 @@ def load_config(args):
              f"model's context of {context} tokens: lower one of them.")
     return config
 
-
 def load_model(args, device):
     """The model with LoRA on all seven projections, after the guards; every rank checks it drew the same LoRA."""
     from transformers import AutoModelForCausalLM
@@ -1039,7 +986,6 @@ def load_model(args, device):
     model.train()  # for gradient checkpointing; dropout is off
     return model, lora_params
 
-
 def check_same_on_every_rank(lora_params):
     """One all-reduce of (checksum, -checksum) with MAX: every rank then knows the largest and the smallest."""
     checksum = torch.cat([p.detach().flatten() for p in lora_params]).double().sum()
@@ -1047,7 +993,6 @@ def check_same_on_every_rank(lora_params):
     if high != -neg_low:
         fail(f"the ranks drew different LoRA initialisations (checksums {-neg_low!r} to {high!r}); they must "
              "start from the same adapter: check that every rank runs the same opsd.py, torch and --seed.")
-
 
 @torch.no_grad()
 def check_logits_path(model):
@@ -1071,7 +1016,6 @@ def check_logits_path(model):
         return "its logits are not final_hidden @ lm_head.weight^T (soft-capping, scaling or a bias?)"
     return None
 
-
 def disable_dropout(model):
     """The recipe trains without dropout; train() (needed for gradient checkpointing) would switch it on."""
     for m in model.modules():
@@ -1084,7 +1028,6 @@ def disable_dropout(model):
 # -----------------------------------------------------------------------------
 # Data reading: local JSON / JSONL / Parquet or a hub dataset, every bad row named by file and number
 
-
 def load_prompts(args):
     from transformers import AutoTokenizer
 
@@ -1092,7 +1035,6 @@ def load_prompts(args):
     rows = load_rows(args.dataset, args.dataset_split, args.problem_column, args.context_column, args.data_select)
     return tokenizer, build_prompts(tokenizer, rows, student_thinking=args.student_thinking,
                                     teacher_thinking=args.teacher_thinking, max_prompt_length=args.max_prompt_length)
-
 
 def read_table(dataset, split):
     """Rows (dicts) of a local .json / .jsonl / .parquet file or of a hub dataset's split."""
@@ -1124,7 +1066,6 @@ def read_table(dataset, split):
         fail(f"--dataset {dataset}: every row must be a JSON object.")
     return rows
 
-
 def select_hard(rows, name):
     """The researcher's `hard` selection: under a fixed step budget, spend it where the privileged teacher
     and the student disagree. 1) drop rows whose source is 'math' (school problems, KL near zero);
@@ -1145,7 +1086,6 @@ def select_hard(rows, name):
     print0(f"data-select hard: {len(rows)} rows -> {len(kept)} (source != 'math', "
            f"generated_token_count >= {threshold})")
     return kept
-
 
 def load_rows(dataset, split, problem_column, context_column, data_select="all"):
     """[(problem, privileged context)], after the --data-select rule."""
@@ -1170,7 +1110,6 @@ def load_rows(dataset, split, problem_column, context_column, data_select="all")
 
 ADAPTER_WEIGHTS, ADAPTER_CONFIG = "adapter_model.safetensors", "adapter_config.json"
 
-
 def save_adapter(model, out_dir, base_model_name_or_path):
     layers = lora_layers(model)
     tensors = {}
@@ -1185,7 +1124,6 @@ def save_adapter(model, out_dir, base_model_name_or_path):
     out.mkdir(parents=True, exist_ok=True)
     save_file(tensors, str(out / ADAPTER_WEIGHTS))
     (out / ADAPTER_CONFIG).write_text(json.dumps(config, indent=2) + "\n")
-
 
 @torch.no_grad()
 def load_adapter(model, adapter_dir):
@@ -1206,7 +1144,6 @@ def load_adapter(model, adapter_dir):
         m.lora_A.copy_(tensors[f"base_model.model.{name}.lora_A.weight"])
         m.lora_B.copy_(tensors[f"base_model.model.{name}.lora_B.weight"])
 
-
 def save_run_state(out_dir, model, lora_params, ema, args, state=None):
     """checkpoint-<step>/ (when `state` is given) or final/: the student adapter, the EMA teacher's in
     ema/ (same layout, so eval.py can score it), and what a resume needs: the step, the optimizer, the
@@ -1224,7 +1161,6 @@ def save_run_state(out_dir, model, lora_params, ema, args, state=None):
         shutil.rmtree(final_dir, ignore_errors=True)
         os.rename(tmp, final_dir)
 
-
 def restore(checkpoint, model, lora_params, optimizer):
     """Load a checkpoint into the model and optimizer; returns (step, EMA weights or None, KL window)."""
     # map_location cpu: loading works whatever the device; load_state_dict moves the optimizer state to
@@ -1237,7 +1173,6 @@ def restore(checkpoint, model, lora_params, optimizer):
         ema = [p.detach().clone() for p in lora_params]
     load_adapter(model, checkpoint)
     return state["step"], ema, deque(state["kl_window"])
-
 
 def push_checked(llm, model, out_dir):
     """push_weights, stopping every rank in one sentence when a rank's engine does not hold what was sent."""
@@ -1252,7 +1187,6 @@ def push_checked(llm, model, out_dir):
 # The sampler/trainer gap's floor with identical weights, measured on CPU (tiny Qwen3, mean): ~1e-6 in float32,
 # ~1e-2 in bfloat16 (up to ~2e-2 at lr 1e-4, as the merged bf16 weights round). A step line flags a mean gap above:
 GAP_ALARM = {"float32": 1e-4, "bfloat16": 5e-2}
-
 
 def log_step(args, record, rollouts, tracker):
     """Rank 0: the step line, metrics.jsonl, the rollouts when due (rollouts.jsonl), Weights & Biases."""
@@ -1274,12 +1208,10 @@ def log_step(args, record, rollouts, tracker):
     if tracker:
         tracker.log({**record, **({"rollouts": wandb_table(rollouts)} if rollouts else {})}, step=step)
 
-
 def wandb_table(rollouts):
     import wandb
 
     return wandb.Table(columns=list(rollouts[0]), data=[list(r.values()) for r in rollouts])
-
 
 if __name__ == "__main__":
     main()
