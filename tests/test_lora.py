@@ -180,6 +180,7 @@ model = AutoModelForCausalLM.from_pretrained({model!r})
 params = opsd.add_lora(model, r=8, alpha=16, seed=int(os.environ["RANK"]) * int(sys.argv[1]))
 opsd.check_same_on_every_rank(params)
 print("same init", flush=True)
+dist.destroy_process_group()
 """
 
 
