@@ -3,8 +3,7 @@ Evaluate a model, or a model plus an adapter written by opsd.py, on AIME24, AIME
 
     python eval.py --model Qwen/Qwen3-1.7B --adapter runs/opsd/final --output-dir runs/eval-opsd
 
-README.md, section "Evaluation", gives the protocol (the OPSD paper's released one), where eval.py departs from
-it, restarts, and a run on a CPU.
+The protocol (the OPSD paper's released one), departures from it, restarts and a CPU run: README.md, "Evaluation".
 """
 
 import argparse
@@ -59,9 +58,8 @@ def parse_args(argv=None):
 
 
 # -----------------------------------------------------------------------------
-# Prompts and sampling with vLLM
-# The released prompt as token ids; one engine samples everything, each sample with its own seed (a restart
-# draws the same sample again) and written to samples.jsonl the moment it finishes.
+# Prompts and sampling with vLLM: the released prompt as token ids; one engine samples everything, each sample
+# with its own seed (a restart draws the same sample again) and written to samples.jsonl the moment it finishes.
 
 def build_prompt(problem):
     return f"{problem}\n\n{INSTRUCTION}"
@@ -135,9 +133,8 @@ def draw(args, problems, todo, out_dir, config):
 
 
 # -----------------------------------------------------------------------------
-# Grading and metrics
-# The released evaluation's verdict (the last \boxed's content against the gold answer, by math_verify), and
-# the metrics from the sample records alone, so that a resumed run and an uninterrupted one agree.
+# Grading and metrics: the released evaluation's verdict (the last \boxed's content against the gold answer, by
+# math_verify), and the metrics from the sample records alone, so that a resumed run and an uninterrupted one agree.
 
 def extract_boxed(text):
     """The content of the LAST \\boxed{...}, braces matched; None if they never close or no brace follows \\boxed."""
@@ -219,8 +216,7 @@ def format_table(summary, n):
 
 
 # -----------------------------------------------------------------------------
-# Run
-# Check what a user can get wrong, read the problems, draw what samples.jsonl lacks, summarise the file.
+# Run: check what a user can get wrong, read the problems, draw what samples.jsonl lacks, summarise the file.
 
 def main(argv=None):
     args = parse_args(argv)
@@ -258,8 +254,7 @@ def main(argv=None):
 # Bad input is refused early, in one sentence, before any engine starts; a restart cannot mix in other samples.
 
 # -----------------------------------------------------------------------------
-# Flags and data
-# Flag ranges, benchmark names, and reading the problems: a bad file is named with its line or row.
+# Flags and data: flag ranges, benchmark names, and reading the problems; a bad file is named with its line or row.
 
 def check_flags(args):
     for flag, ok, rule in [
@@ -363,16 +358,13 @@ def load_problems(name, source, problem_column, answer_column):
 
 
 # -----------------------------------------------------------------------------
-# Resume, and contents rather than paths
-# samples.jsonl is the only state: a restart keeps its whole records and refuses samples drawn under other settings,
-# problems or weights (a fingerprint of the model's files, a hash of the adapter's); an adapter must fit the model.
+# Resume, and contents rather than paths: samples.jsonl is the only state; a restart refuses samples drawn under
+# other settings, problems or weights (a fingerprint of the model's files, a hash of the adapter's); adapters must fit.
 
 def read_samples(path):
     """Records by (benchmark, problem, sample); a line cut by a kill is dropped, so none is appended to a fragment."""
-    if not path.exists():
-        return {}
     done, broken = {}, 0
-    for line in path.read_text().splitlines():
+    for line in path.read_text().splitlines() if path.exists() else []:
         try:
             s = json.loads(line)
             done[s["benchmark"], s["problem"], s["sample"]] = s
@@ -431,8 +423,7 @@ def model_dir(model):
     return Path(config).parent.resolve() if isinstance(config, str) else None
 
 def model_fingerprint(model, chunk=64 << 10):
-    """sha256 over config.json and, per weight file (*.safetensors, else *.bin, sorted), its name, its size and 16
-    evenly spaced 64 KiB samples (the whole file under 1 MiB): cheap at any size. None without such files."""
+    """opsd.py's: sha256 of config.json and of each weight file's name, size and 16 evenly spaced samples; else None."""
     directory = model_dir(model)
     weights = (sorted(directory.glob("*.safetensors")) or sorted(directory.glob("*.bin"))) if directory else []
     if not weights or not (directory / "config.json").is_file():
