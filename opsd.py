@@ -14,19 +14,13 @@ whose prompt also holds a reference solution. Each optimizer step:
      full-vocabulary forward KL at every answer position; only LoRA weights train,
   4. the merged LoRA weights are pushed into the running vLLM engine in place, and read back.
 
-Departures from the released recipe (the problems they fix are in the README):
-  1. Left padding with positions from the attention mask: every answer token is scored at the
-     position vLLM sampled it at (the released code right-pads prompts, shifting RoPE positions).
-  2. Prompts reach vLLM as token ids, never decoded and re-encoded.
-  3. LoRA is merged out of place for vLLM; the base weights (the fixed teacher) never change.
-  4. Softmax and KL in float32 (over logits in the model dtype), normalised by the optimizer step's
-     total token count across micro-batches and ranks, computed in chunks from hidden states.
-  5. A cosine LR schedule over the real step budget; `--clip token` as an alternative to the
-     per-entry clip (the released recipe's `--clip entry` stays the default).
+Departures from the released recipe (README.md's section of that name says what each fixes): left padding with
+positions from the attention mask; prompts to vLLM as token ids; LoRA merged out of place; softmax and KL in
+float32, in chunks from hidden states, normalised by the step's token count over micro-batches and ranks; a
+cosine LR schedule; `--clip token` beside the released recipe's `--clip entry` (the default).
 
-The file has two parts. Part 1 is the method, in the order a step runs; part 2 ("What keeps a run
-honest") holds the input checks, the output-directory and resume contract, the model guards, data
-reading, checkpoints and logging. Every name is resolved when it is called, so the order is free.
+Part 1 is the method, in the order a step runs; part 2 is what keeps a run honest (README.md, "Reading
+opsd.py", maps both). Every name is resolved when it is called, so the order is free.
 """
 
 import argparse
@@ -194,8 +188,7 @@ class LoRALinear(nn.Module):
         super().__init__()
         self.weight, self.bias = base.weight, base.bias  # (out, in), (out,) or None
         self.r, self.alpha, self.scale = r, alpha, alpha / r
-        # A is drawn on the CPU from `generator`, then moved: every device and every rank starts from the same
-        # adapter. B = 0, so training starts at the base model.
+        # A drawn on the CPU, then moved: every device and rank starts alike; B = 0: training starts at the base model
         lora_A = nn.init.kaiming_uniform_(torch.empty(r, base.in_features), a=math.sqrt(5), generator=generator)
         self.lora_A = nn.Parameter(lora_A.to(base.weight.device))  # (r, in)
         self.lora_B = nn.Parameter(torch.zeros(base.out_features, r, device=base.weight.device))  # (out, r)
@@ -209,8 +202,7 @@ class LoRALinear(nn.Module):
         return y + (self.scale * update).to(y.dtype)
 
     def merged_weight(self):
-        # W + (alpha / r) B A, out of place and in the model dtype: W itself is never touched,
-        # so the base model (the fixed teacher) cannot drift from repeated merges.
+        # W + (alpha / r) B A, out of place, in the model dtype: W is never touched, so the fixed teacher cannot drift
         return (self.weight.float() + self.scale * (self.lora_B @ self.lora_A)).to(self.weight.dtype)
 
 def add_lora(model, r, alpha, seed=0, targets=LORA_TARGETS):
@@ -248,8 +240,7 @@ def merged_weights(model):
 def build_batch(prompts, completions, pad_id, device):
     """Model inputs for one micro-batch, and the mask of completion tokens (B, P + L). Left padding puts every
     prompt's last token in column P - 1, so student and teacher batches score a completion at the same columns.
-    Positions come from the attention mask (cumsum - 1): each token sits at the position vLLM sampled it at.
-    (Right-padded prompts would leave pads between prompt and completion and shift every RoPE position.)"""
+    Positions come from the attention mask (cumsum - 1): each token sits at the position vLLM sampled it at."""
     P, L = max(map(len, prompts)), max(map(len, completions))
     input_ids = torch.full((len(prompts), P + L), pad_id, dtype=torch.long)
     attention_mask = torch.zeros_like(input_ids)
@@ -270,9 +261,8 @@ def build_batch(prompts, completions, pad_id, device):
 def start_engine(args, rank, world_size, device):
     from vllm import LLM
 
-    # On CUDA the engine takes --vllm-memory of the GPU. On the CPU, prompts are prefilled whole: a prompt
-    # prefilled in chunks samples (and discards) a token per chunk, then rewinds its seeded generator, which
-    # a CPU torch.Generator cannot do ("CPU Generator does not use offset").
+    # On the CPU, prompts are prefilled whole: a prompt prefilled in chunks samples (and discards) a token per chunk,
+    # then rewinds its seeded generator, which a CPU torch.Generator cannot do ("CPU Generator does not use offset").
     cpu = device.type == "cpu"
     extra = {"enable_chunked_prefill": False} if cpu else {"gpu_memory_utilization": args.vllm_memory}
     max_model_len = args.max_prompt_length + args.max_new_tokens
@@ -485,8 +475,7 @@ def lr_at(step, *, lr, max_steps, warmup_steps=0, min_lr=0.0):
 # The teacher's weights: the base model (LoRA off), the student's own, or an EMA of the student's LoRA
 
 def teacher_weights(model, lora_params, teacher, ema):
-    """The teacher's weights for its forward: base (LoRA off), current (the student's), or the EMA's
-    LoRA values (the student's until the first optimizer step, when no EMA exists yet)."""
+    """The context of the teacher's forward; the EMA teacher is the student until the first step makes an EMA."""
     if teacher == "base":
         return lora_disabled(model)
     if teacher == "ema" and ema is not None:
@@ -534,10 +523,9 @@ def ema_update(ema, lora_params, decay):
 
 def backward_step(model, lora_params, student_prompts, teacher_prompts, completions, *, pad_id, micro_batch_size,
                   teacher, ema=None, skip_first_tokens=0, **loss_kw):
-    """Forward and backward over this rank's micro-batches, then the gradient summed over ranks. Each micro-batch's
-    loss is divided by the step's token count over all micro-batches and ranks (without the first
-    `skip_first_tokens` of each answer), so the summed gradient is one big batch's. Returns the step's loss and
-    this rank's diagnostics for all completion positions (N, 3) and the first of each completion (rows, 3)."""
+    """Each micro-batch's loss is divided by the step's token count over all micro-batches and ranks (without the
+    first `skip_first_tokens` of each answer), so the summed gradient is one big batch's. Returns the step's loss
+    and this rank's diagnostics for all completion positions (N, 3) and the first of each completion (rows, 3)."""
     device = lora_params[0].device
     lm_head = model.get_output_embeddings().weight  # (V, H), frozen
     loss_tokens = sum(max(0, len(c) - skip_first_tokens) for c in completions)
@@ -561,8 +549,7 @@ def backward_step(model, lora_params, student_prompts, teacher_prompts, completi
         loss_sum += loss.item()
         stats.append(mb_stats)
         first.append(mb_stats[torch.tensor([0] + lengths[:-1]).cumsum(0)])  # first position of each row
-    # one collective for all LoRA gradients; a sum, not DDP's mean: each rank's loss is already divided by the
-    # global count
+    # one collective for all LoRA gradients; a sum, not DDP's mean: each loss is already divided by the global count
     grads = torch.cat([p.grad.flatten() for p in lora_params])
     all_reduce(grads)
     for p, g in zip(lora_params, grads.split([p.numel() for p in lora_params])):
@@ -680,7 +667,6 @@ def main(argv=None):
 
 # =============================================================================
 # PART 2: WHAT KEEPS A RUN HONEST
-# Input checks, the output directory and resume contract, model guards, data reading, checkpoints and logs.
 # =============================================================================
 
 # -----------------------------------------------------------------------------
@@ -820,8 +806,7 @@ def check_flags(args):
 
 
 # -----------------------------------------------------------------------------
-# Output directory and resume: a run never overwrites another's results unless told to, and resumes only
-# what it started (the same flags, prompts, model files and device type)
+# Output directory and resume: never overwrite a run unless told to; resume only the same flags, prompts, model, device
 
 # flags a resumed run may change: they cannot change what the run computes, only how or what it logs
 RESUMABLE_CHANGES = ("output_dir", "resume", "overwrite", "micro_batch_size", "gradient_checkpointing",
@@ -879,8 +864,7 @@ def run_fingerprint(args, prompts, device):
 
 def model_fingerprint(model):
     """sha256 of config.json and of each weight file's name, size and 16 evenly spaced 64 KiB samples (the whole
-    file under 1 MiB): cheap at any size, and retrained or re-released weights change every tensor. eval.py
-    records the same fingerprint."""
+    file under 1 MiB): cheap at any size; retrained or re-released weights change every tensor. eval.py records it."""
     from transformers.utils import cached_file
 
     folder = Path(model).expanduser()
@@ -1105,8 +1089,7 @@ def load_rows(dataset, split, problem_column, context_column, data_select="all")
 
 
 # -----------------------------------------------------------------------------
-# Adapters, checkpoints and logs: adapters in PEFT's on-disk layout (PEFT, vLLM and eval.py read them); checkpoints
-# written to a temporary directory and renamed, so a kill never leaves half of one
+# Adapters, checkpoints and logs: adapters in PEFT's layout; checkpoints written aside and renamed, never half-written
 
 ADAPTER_WEIGHTS, ADAPTER_CONFIG = "adapter_model.safetensors", "adapter_config.json"
 
@@ -1163,8 +1146,7 @@ def save_run_state(out_dir, model, lora_params, ema, args, state=None):
 
 def restore(checkpoint, model, lora_params, optimizer):
     """Load a checkpoint into the model and optimizer; returns (step, EMA weights or None, KL window)."""
-    # map_location cpu: loading works whatever the device; load_state_dict moves the optimizer state to
-    # its parameters' device
+    # map_location cpu: it loads on any device; load_state_dict moves the optimizer state to its parameters' device
     state = torch.load(checkpoint / "trainer_state.pt", map_location="cpu", weights_only=True)
     optimizer.load_state_dict(state["optimizer"])
     ema = None
@@ -1182,7 +1164,6 @@ def push_checked(llm, model, out_dir):
         seconds, problem = 0.0, f"{e} Stopped; the last checkpoint is {latest_checkpoint(out_dir) or 'none'}."
     fail_if_any_rank(problem, model.device)
     return seconds
-
 
 # The sampler/trainer gap's floor with identical weights, measured on CPU (tiny Qwen3, mean): ~1e-6 in float32,
 # ~1e-2 in bfloat16 (up to ~2e-2 at lr 1e-4, as the merged bf16 weights round). A step line flags a mean gap above:
