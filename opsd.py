@@ -1093,12 +1093,15 @@ def load_rows(dataset, split, problem_column, context_column, data_select="all")
 
 ADAPTER_WEIGHTS, ADAPTER_CONFIG = "adapter_model.safetensors", "adapter_config.json"
 
+def adapter_parameters(model):
+    """{name in adapter_model.safetensors: parameter} for the A and B of every LoRA layer."""
+    return {f"base_model.model.{name}.lora_{ab}.weight": getattr(m, f"lora_{ab}")
+            for name, m in lora_layers(model).items() for ab in "AB"}
+
 def save_adapter(model, out_dir, base_model_name_or_path):
+    """The adapter in PEFT's layout, which PEFT, vLLM and eval.py read."""
     layers = lora_layers(model)
-    tensors = {}
-    for name, m in layers.items():
-        tensors[f"base_model.model.{name}.lora_A.weight"] = m.lora_A.detach().cpu().contiguous()
-        tensors[f"base_model.model.{name}.lora_B.weight"] = m.lora_B.detach().cpu().contiguous()
+    tensors = {name: p.detach().cpu().contiguous() for name, p in adapter_parameters(model).items()}
     first = next(iter(layers.values()))
     config = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": str(base_model_name_or_path),
               "r": first.r, "lora_alpha": first.alpha, "lora_dropout": 0.0, "bias": "none", "fan_in_fan_out": False,
@@ -1116,16 +1119,15 @@ def load_adapter(model, adapter_dir):
         raise FileNotFoundError(f"No {ADAPTER_WEIGHTS} in {adapter_dir}: pass a directory written by opsd.py.")
     config = json.loads((adapter_dir / ADAPTER_CONFIG).read_text())
     tensors = load_file(str(adapter_dir / ADAPTER_WEIGHTS))
-    layers = lora_layers(model)
-    first = next(iter(layers.values()))
+    first = next(iter(lora_layers(model).values()))
     if (config["r"], config["lora_alpha"]) != (first.r, first.alpha):
         raise ValueError(f"Adapter in {adapter_dir} has r={config['r']}, alpha={config['lora_alpha']} but the "
                          f"model's LoRA has r={first.r}, alpha={first.alpha}: use the same --lora-r and --lora-alpha.")
-    if set(tensors) != {f"base_model.model.{n}.lora_{ab}.weight" for n in layers for ab in "AB"}:
+    params = adapter_parameters(model)
+    if set(tensors) != set(params):
         raise ValueError(f"Adapter in {adapter_dir} targets other modules than this model's LoRA layers.")
-    for name, m in layers.items():
-        m.lora_A.copy_(tensors[f"base_model.model.{name}.lora_A.weight"])
-        m.lora_B.copy_(tensors[f"base_model.model.{name}.lora_B.weight"])
+    for name, p in params.items():
+        p.copy_(tensors[name])
 
 def save_run_state(out_dir, model, lora_params, ema, args, state=None):
     """checkpoint-<step>/ (when `state` is given) or final/: the student adapter, the EMA teacher's in
