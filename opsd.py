@@ -116,7 +116,7 @@ def parse_args(argv=None):
     g.add_argument("--kl-window", type=int, default=20_000, help="completion tokens the KL diagnostic averages")
     g.add_argument("--log-rollouts-every", type=int, default=10, help="rollouts.jsonl every N steps (0: never)")
     g.add_argument("--wandb-project", default=None, help="also log to Weights & Biases (needs wandb)")
-    with redirect_stderr(StringIO()) if not is_rank0() else nullcontext():  # argparse's errors: rank 0 says them
+    with redirect_stderr(StringIO()) if RANK != 0 else nullcontext():  # argparse's errors: rank 0 says them
         args = p.parse_args(argv)
     check_flags(args)
     return args
@@ -672,37 +672,32 @@ def main(argv=None):
 # -----------------------------------------------------------------------------
 # Errors and ranks: one sentence per error, said once; torchrun sets RANK / WORLD_SIZE, `python opsd.py` is one
 
-def is_rank0():
-    return int(os.environ.get("RANK", 0)) == 0
+RANK, WORLD_SIZE = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
 
 def print0(*a, **kw):
-    if is_rank0():
+    if RANK == 0:
         print(*a, **kw, flush=True)
 
-def fail(message):
-    """Stop on a user error with one sentence: every rank finds it, only rank 0 says it."""
-    if is_rank0():
+def fail(message, speaker=0):
+    """Stop on a user error with one sentence: every rank finds it, only rank `speaker` says it."""
+    if RANK == speaker:
         print(f"opsd.py: error: {message}", file=sys.stderr, flush=True)
     raise SystemExit(2)
 
 def fail_if_any_rank(problem, device):
     """Stop every rank when one rank found a problem (None: none); the lowest such rank says it."""
-    rank, world_size = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
-    first = int(all_reduce(torch.tensor(rank if problem else world_size, device=device), dist.ReduceOp.MIN))
-    if first < world_size:
-        if rank == first:
-            print(f"opsd.py: error: {problem}", file=sys.stderr, flush=True)
-        raise SystemExit(2)
+    first = int(all_reduce(torch.tensor(RANK if problem else WORLD_SIZE, device=device), dist.ReduceOp.MIN))
+    if first < WORLD_SIZE:
+        fail(problem, speaker=first)
 
 def init_distributed(device_flag):
-    rank, world_size = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
     if device_flag == "cuda" and not torch.cuda.is_available():
         fail("--device cuda, but no CUDA device is visible: use --device cpu.")
     use_cuda = device_flag == "cuda" or (device_flag == "auto" and torch.cuda.is_available())
     device = torch.device(f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}" if use_cuda else "cpu")
     if use_cuda:
         torch.cuda.set_device(device)  # vLLM builds its engine on the current device
-    if world_size > 1:
+    if WORLD_SIZE > 1:
         dist.init_process_group("nccl" if use_cuda else "gloo")
     # vLLM: the engine in this process (its worker is then reachable for weight pushes), errors only (its
     # start-up warnings are CPU tuning advice), a small KV cache on the CPU
@@ -710,7 +705,7 @@ def init_distributed(device_flag):
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
     if not use_cuda:
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-    return rank, world_size, device
+    return RANK, WORLD_SIZE, device
 
 def all_reduce(tensor, op=None):
     """Sum (or `op`) over ranks, in place; a no-op in a world of one."""
