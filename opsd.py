@@ -267,17 +267,12 @@ def start_engine(args, rank, world_size, device):
     extra = {"enable_chunked_prefill": False} if cpu else {"gpu_memory_utilization": args.vllm_memory}
     max_model_len = args.max_prompt_length + args.max_new_tokens
     return LLM(
-        model=args.model,
-        dtype=args.dtype,
+        model=args.model, dtype=args.dtype, max_model_len=max_model_len, enforce_eager=cpu,
         seed=args.seed + rank,  # every request carries its own seed; this only keeps unseeded ones apart
-        max_model_len=max_model_len,
         max_num_seqs=max(1, args.prompts_per_step // world_size),  # this rank's prompts all run at once
         max_num_batched_tokens=max(max_model_len, 8192),  # tokens per engine step: one whole sequence at least
-        enforce_eager=cpu,
         # under torchrun every rank runs its own tensor-parallel-1 engine inside its own process
-        distributed_executor_backend="external_launcher" if world_size > 1 else None,
-        tensor_parallel_size=1,
-        **extra,
+        distributed_executor_backend="external_launcher" if world_size > 1 else None, tensor_parallel_size=1, **extra,
     )
 
 def sample(llm, prompts, seeds, args):
@@ -290,11 +285,8 @@ def sample(llm, prompts, seeds, args):
     params = [SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=seed,
                              max_tokens=args.max_new_tokens, logprobs=0) for seed in seeds]
     outputs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
-    completions, logprobs = [], []
-    for out in outputs:
-        tokens = list(out.outputs[0].token_ids)
-        completions.append(tokens)
-        logprobs.append([lp[token].logprob for lp, token in zip(out.outputs[0].logprobs, tokens)])
+    completions = [list(out.outputs[0].token_ids) for out in outputs]
+    logprobs = [[lp[t].logprob for lp, t in zip(out.outputs[0].logprobs, c)] for out, c in zip(outputs, completions)]
     return completions, logprobs
 
 def fingerprint(weight):
@@ -550,8 +542,7 @@ def backward_step(model, lora_params, student_prompts, teacher_prompts, completi
         stats.append(mb_stats)
         first.append(mb_stats[torch.tensor([0] + lengths[:-1]).cumsum(0)])  # first position of each row
     # one collective for all LoRA gradients; a sum, not DDP's mean: each loss is already divided by the global count
-    grads = torch.cat([p.grad.flatten() for p in lora_params])
-    all_reduce(grads)
+    grads = all_reduce(torch.cat([p.grad.flatten() for p in lora_params]))
     for p, g in zip(lora_params, grads.split([p.numel() for p in lora_params])):
         p.grad.copy_(g.view_as(p))
     loss_value = float(all_reduce(torch.tensor(loss_sum, device=device)))
