@@ -467,7 +467,7 @@ def lr_at(step, *, lr, max_steps, warmup_steps=0, min_lr=0.0):
 # The teacher's weights: the base model (LoRA off), the student's own, or an EMA of the student's LoRA
 
 def teacher_weights(model, lora_params, teacher, ema):
-    """The context of the teacher's forward; the EMA teacher is the student until the first step makes an EMA."""
+    """The context manager of the teacher's forward; the EMA teacher is the student until the first step makes one."""
     if teacher == "base":
         return lora_disabled(model)
     if teacher == "ema" and ema is not None:
