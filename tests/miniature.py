@@ -24,7 +24,8 @@ or, for the sft arm, supervised fine-tuning written here with opsd.py's own LoRA
 LR schedule; eval.py scores the base model and every adapter (avg@n at temperature 1.0). One process at
 a time. Writes <output-dir>/results.json, miniature.png (accuracy per arm, kl_mean per step), with
 --curves also curves.png (dev accuracy every --curve-every steps), and prints the table. A second run
-into the same --output-dir is refused unless --overwrite clears this script's files there.
+into the same --output-dir is refused unless --overwrite clears this script's files there; --resume continues
+an interrupted run with the same flags (finished pieces kept; opsd.py and eval.py resume where they stopped).
 """
 
 import argparse
@@ -67,11 +68,12 @@ ARMS = {
 }
 DEFAULT_ARMS, DEFAULT_SEEDS = ("token", "none", "sft"), (1, 2, 3)
 FULL_SEEDS = {arm: (1, 2, 3, 4, 5) if arm in DEFAULT_ARMS else (1, 2, 3) for arm in ARMS}  # --full
-CURVE_ARMS = ("token", "none", "entry", "sft")  # --curves: dev accuracy along training, first seed only
+CURVE_ARMS = ("token", "none", "entry", "sft")
+QUICK_ARM = "none"  # --quick: the opsd.py arm that gained on dev (see the settings below)  # --curves: dev accuracy along training, first seed only
 
-# Settings chosen on the dev split with seed 1 (see the README): the learning rate of each arm family from 1e-3,
-# 2e-3, 5e-3, 1e-2, 2e-2 (token; none and sft without 2e-3), the step count from checkpoints every 25 steps, shared,
-# so SFT gets as many optimizer steps as OPSD. No setting lifted the dev score by more than a point.
+# Settings chosen on the dev split with seed 1 (see the README): the learning rate of each arm family from 2e-3,
+# 5e-3, 1e-2 (token and none for the opsd.py arms; sft also 2e-2), the step count from checkpoints every 25 steps,
+# shared, so SFT gets as many optimizer steps as OPSD. At 5e-3 none and sft gained on dev, token did not at any lr.
 OPSD_LR, SFT_LR, STEPS = 5e-3, 5e-3, 150
 # opsd.py's settings for every arm (the seed, lr, steps and the arm's own flags are added per run); SFT uses the
 # same rank, alpha, prompts per step and gradient clip
@@ -94,12 +96,12 @@ def parse_args(argv=None):
     p.add_argument("--output-dir", help="results.json, the figures and one directory per run")
     p.add_argument("--arms", default=None,
                    help=f"comma-separated arms from {', '.join(ARMS)} "
-                        f"(default: {','.join(DEFAULT_ARMS)}; --quick: token)")
+                        f"(default: {','.join(DEFAULT_ARMS)}; --quick: {QUICK_ARM})")
     p.add_argument("--seeds", default=None, help="comma-separated seeds every chosen arm runs with (default 1,2,3; "
                                                  "--quick: 1)")
     p.add_argument("--quick", action="store_true",
-                   help="the test suite's variant: the token arm, one seed, 2 samples per problem (plumbing, "
-                        "not evidence)")
+                   help=f"the test suite's variant: the {QUICK_ARM} arm, one seed, 2 samples per problem (one seed: "
+                        "a check, not the experiment)")
     p.add_argument("--full", action="store_true",
                    help="every arm, seeds 1-5 for token, none and sft and 1-3 for the others, with --curves")
     p.add_argument("--split", default="heldout", choices=["heldout", "dev"],
@@ -116,7 +118,12 @@ def parse_args(argv=None):
                    help=f"pre-train the model from scratch into <output-dir>/model instead of using "
                         f"{SHIPPED_MODEL.relative_to(ROOT)}")
     p.add_argument("--pretrain-steps", type=int, default=600, help="pre-training steps (with --rebuild-model)")
+    p.add_argument("--pretrain-seed", type=int, default=PRETRAIN_SEED,
+                   help="seed of the pre-training batches (with --rebuild-model; the shipped model's: %(default)s)")
     p.add_argument("--overwrite", action="store_true", help="clear this script's files in --output-dir first")
+    p.add_argument("--resume", action="store_true",
+                   help="continue the run in --output-dir with the same flags: finished trainings and scores are "
+                        "kept, opsd.py resumes from its last checkpoint, eval.py draws only the samples it lacks")
     p.add_argument("--reference-step", metavar="PATH", default=None,
                    help="write the port-check fixture (step-1 rollouts of the shipped model and their loss) and stop")
     args = p.parse_args(argv)
@@ -124,12 +131,14 @@ def parse_args(argv=None):
         return args
     if not args.output_dir:
         p.error("--output-dir is required.")
+    if args.resume and args.overwrite:
+        p.error("--resume continues the run in --output-dir, --overwrite clears it: pass one.")
     if args.full and (args.quick or args.arms or args.seeds):
         p.error("--full chooses every arm and its seeds: leave out --quick, --arms and --seeds.")
     seeds = [s.strip() for s in (args.seeds or ("1" if args.quick else ",".join(map(str, DEFAULT_SEEDS)))).split(",")]
     if not all(s.isdigit() for s in seeds) or len(set(seeds)) != len(seeds):
         p.error(f"--seeds takes distinct non-negative integers separated by commas, got {args.seeds!r}.")
-    arms = [a.strip() for a in (args.arms or ("token" if args.quick else ",".join(DEFAULT_ARMS))).split(",")]
+    arms = [a.strip() for a in (args.arms or (QUICK_ARM if args.quick else ",".join(DEFAULT_ARMS))).split(",")]
     unknown = [a for a in arms if a not in ARMS]
     if unknown or len(set(arms)) != len(arms):
         p.error(f"--arms takes distinct arms from {', '.join(ARMS)}, got {args.arms!r}.")
@@ -150,6 +159,9 @@ def parse_args(argv=None):
 # The task: 2-digit addition, one fixed split
 
 TASK_SEED, NUM_HELDOUT, NUM_DEV = 0, 400, 400
+# the batches' seed of the shipped model's pre-training. Seed 0's model (same recipe) did not learn from any
+# training on the labels (plain SFT: dev 8.5% -> 8.8%), so it could show nothing; seed 1's did (9.0% -> 19.0%).
+PRETRAIN_SEED = 1
 
 
 def make_task():
@@ -267,7 +279,7 @@ def with_solution(rows):
     return [{**r, "solution": f"{r['problem']}={r['answer']}"} for r in rows]
 
 
-def pretrain(out_dir, train, dev, heldout, *, steps, lr=2e-3, batch_size=64, warmup=30, seed=0):
+def pretrain(out_dir, train, dev, heldout, *, steps, seed=PRETRAIN_SEED, lr=2e-3, batch_size=64, warmup=30):
     """Pre-train a fresh model on the four-format mix of the training split (answer-only next-token loss)."""
     t0 = time.perf_counter()
     tok = build_tokenizer(train)
@@ -313,7 +325,8 @@ def pretrain(out_dir, train, dev, heldout, *, steps, lr=2e-3, batch_size=64, war
         print(f"{name} greedy accuracy after pre-training: "
               + ", ".join(f"{fmt} {100 * a:.1f}%" for fmt, a in accuracy.items()), flush=True)
     info = {"task_seed": TASK_SEED, "train_digest": split_digest(train), "dev_digest": split_digest(dev),
-            "heldout_digest": split_digest(heldout), "pretrain_steps": steps, "lr": lr, "batch_size": batch_size,
+            "heldout_digest": split_digest(heldout), "pretrain_steps": steps, "pretrain_seed": seed, "lr": lr,
+            "batch_size": batch_size,
             "pretrain_seconds": round(seconds, 1), "dev_greedy": greedy["dev"], "heldout_greedy": greedy["heldout"]}
     (out_dir / TASK_FILE).write_text(json.dumps(info, indent=2) + "\n")
     return info
@@ -407,21 +420,30 @@ def train_sft(model_dir, train, seed, steps, lr, out_dir, save_every=0):
 
 
 def train_arm(model_dir, train_file, train, arm, seed, args, out_dir, save_every=0):
-    """Train one arm and seed; returns the final adapter and the seconds it took."""
+    """Train one arm and seed; returns the final adapter and the seconds it took (None: finished before, with
+    --resume). A resumed opsd.py run continues from its last checkpoint; an unfinished SFT run starts over."""
+    if args.resume and (out_dir / "final").is_dir():
+        return out_dir / "final", None
     if arm == "sft":
+        shutil.rmtree(out_dir, ignore_errors=True)
         t0 = time.perf_counter()
         train_sft(model_dir, train, seed, args.steps, args.sft_lr, out_dir, save_every)
         return out_dir / "final", time.perf_counter() - t0
     cmd = opsd_command(model_dir, train_file, arm, seed, args.steps, args.lr, out_dir, save_every)
-    return out_dir / "final", run_logged(cmd, out_dir.with_suffix(".log"))
+    resumable = args.resume and opsd.latest_checkpoint(out_dir) is not None
+    return out_dir / "final", run_logged(cmd + ["--resume" if resumable else "--overwrite"],
+                                         log_path(out_dir, "resumed" if resumable else ""))
 
 
 def evaluate(model_dir, data_file, n, out_dir, adapter=None):
-    """eval.py's avg@n on one split, and its standard error over problems."""
+    """eval.py's avg@n on one split, its standard error over problems, and the seconds it took (None when its
+    summary was already there: eval.py then only reads its samples back). An interrupted evaluation continues:
+    eval.py keeps the samples in out_dir and draws the rest."""
+    finished = (out_dir / "summary.json").is_file()
     cmd = [sys.executable, str(ROOT / "eval.py"), "--model", str(model_dir), "--data", f"split={data_file}",
            "--n", str(n), "--max-new-tokens", str(EVAL_MAX_NEW_TOKENS), "--dtype", "float32", "--enforce-eager",
            "--output-dir", str(out_dir)] + (["--adapter", str(adapter)] if adapter else [])
-    seconds = run_logged(cmd, out_dir.with_suffix(".log"))
+    seconds = run_logged(cmd, log_path(out_dir, "resumed" if finished else ""))
     avg = json.loads((out_dir / "summary.json").read_text())["metrics"]["split"][f"avg@{n}"]
     per_problem = {}
     for line in (out_dir / "samples.jsonl").read_text().splitlines():
@@ -429,7 +451,12 @@ def evaluate(model_dir, data_file, n, out_dir, adapter=None):
         per_problem.setdefault(s["problem"], []).append(s["correct"])
     means = [sum(c) / len(c) for c in per_problem.values()]
     stderr = (sum((m - avg) ** 2 for m in means) / (len(means) - 1) / len(means)) ** 0.5
-    return avg, stderr, seconds
+    return avg, stderr, None if finished else seconds
+
+
+def log_path(run, tag=""):
+    """<run>.log next to the run's directory (<run>.<tag>.log for a resumed piece); not with_suffix: "tau0.5"."""
+    return run.parent / f"{run.name}{'.' + tag if tag else ''}.log"
 
 
 def run_dir(out, kind, arm, seed):
@@ -632,8 +659,32 @@ def write_reference_step(path, model_dir=SHIPPED_MODEL, seed=REFERENCE_SEED):
 # The run
 
 
+# what a resumed run must share with the run it continues (the rest only say where and how to write)
+RESULT_FLAGS = ("arms", "seeds", "split", "curves", "curve_every", "curve_n", "steps", "lr", "sft_lr", "n",
+                "rebuild_model", "pretrain_steps", "pretrain_seed", "quick", "full")
+
+
+def check_resume(out, args):
+    """The saved flags of the run in `out` (settings.json), refusing a resume that would mix other settings in."""
+    path = out / "settings.json"
+    if not path.is_file():
+        raise SystemExit(f"--resume: {out} holds no run of this script (no settings.json): drop --resume.")
+    saved, now = json.loads(path.read_text()), json.loads(json.dumps({k: vars(args)[k] for k in RESULT_FLAGS}))
+    changed = ["--" + k.replace("_", "-") for k in RESULT_FLAGS if saved.get(k) != now[k]]
+    if changed:
+        raise SystemExit(f"--resume with other {', '.join(changed)} than the run in {out} would mix settings: use "
+                         "the same flags, or start another --output-dir.")
+
+
+def this_machine():
+    cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                if line.startswith("model name")), None) if Path("/proc/cpuinfo").is_file() else None
+    return {"started": time.strftime("%Y-%m-%d %H:%M:%S"), "cpu": cpu, "cores": os.cpu_count(),
+            "kernels": torch.backends.cpu.get_cpu_capability(), "torch": torch.__version__}
+
+
 def owned_files(out):
-    names = ["data", "model", "results.json", "miniature.png", "curves.png"]
+    names = ["data", "model", "results.json", "miniature.png", "curves.png", "settings.json", "timings.json"]
     return [out / n for n in names if (out / n).exists()] + sorted(out.glob("eval-*")) + sorted(out.glob("opsd-*")) \
         + sorted(out.glob("sft-*"))
 
@@ -645,12 +696,20 @@ def main(argv=None):
     t_start = time.perf_counter()
     out = Path(args.output_dir)
     present = owned_files(out)
-    if present and not args.overwrite:
-        raise SystemExit(f"{out} already holds a run ({', '.join(p.name for p in present[:4])}...): "
-                         "pass --overwrite to start over, or choose another --output-dir.")
-    for path in present:
-        shutil.rmtree(path) if path.is_dir() else path.unlink()
-    out.mkdir(parents=True, exist_ok=True)
+    if args.resume:
+        check_resume(out, args)
+    elif present and not args.overwrite:
+        raise SystemExit(f"{out} already holds a run ({', '.join(p.name for p in present[:4])}...): pass "
+                         "--resume to continue it, --overwrite to start over, or choose another --output-dir.")
+    else:
+        for path in present:
+            shutil.rmtree(path) if path.is_dir() else path.unlink()
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "settings.json").write_text(json.dumps({k: vars(args)[k] for k in RESULT_FLAGS}, indent=2) + "\n")
+    # each invocation's machine: a fixed seed reproduces exactly on one machine only (see the README)
+    settings = json.loads((out / "settings.json").read_text())
+    settings["invocations"] = settings.get("invocations", []) + [this_machine()]
+    (out / "settings.json").write_text(json.dumps(settings, indent=2) + "\n")
 
     # ---- the task, written in the formats opsd.py and eval.py read
     train, dev, heldout = make_task()
@@ -662,7 +721,10 @@ def main(argv=None):
     # ---- the starting model: shipped, or pre-trained now
     if args.rebuild_model:
         model_dir = out / "model"
-        info = pretrain(model_dir, train, dev, heldout, steps=args.pretrain_steps)
+        if args.resume and (model_dir / TASK_FILE).is_file():
+            info = json.loads((model_dir / TASK_FILE).read_text())
+        else:
+            info = pretrain(model_dir, train, dev, heldout, steps=args.pretrain_steps, seed=args.pretrain_seed)
     else:
         model_dir = SHIPPED_MODEL
         info = json.loads((model_dir / TASK_FILE).read_text())
@@ -674,14 +736,26 @@ def main(argv=None):
     # ---- base model, then every arm and seed: train, score with eval.py
     scored = files[args.split]
     base, base_stderr, seconds = evaluate(model_dir, scored, args.n, out / "eval-base")
-    print(f"base: {args.split} avg@{args.n} {100 * base:.1f} (+-{100 * base_stderr:.1f} s.e.), eval {seconds:.0f}s",
-          flush=True)
-    scores, timings = {"base": base}, {"eval-base": round(seconds, 1)}
+    print(f"base: {args.split} avg@{args.n} {100 * base:.1f} (+-{100 * base_stderr:.1f} s.e.), "
+          + (f"eval {seconds:.0f}s" if seconds is not None else "eval kept"), flush=True)
+    timings_file = out / "timings.json"  # seconds per piece, kept across resumed invocations
+    timings = json.loads(timings_file.read_text()) if args.resume and timings_file.is_file() else {}
+    scores = {"base": base}
+
+    def timed(name, seconds):
+        if seconds is not None:  # None: the piece was finished before this invocation
+            timings[name] = round(seconds, 1)
+            timings_file.write_text(json.dumps(timings, indent=2) + "\n")
+
+    timed("eval-base", seconds)
     curves = {"n": args.curve_n, "every": args.curve_every, "arms": {}, "seed": {}} if args.curves else None
     same_eval = args.split == "dev" and args.n == args.curve_n  # a curve point is then the arm's own score
     if curves:
-        curves["base"] = base if same_eval else \
-            evaluate(model_dir, files["dev"], args.curve_n, out / "eval-curve-base")[0]
+        if same_eval:
+            curves["base"] = base
+        else:
+            curves["base"], _, seconds = evaluate(model_dir, files["dev"], args.curve_n, out / "eval-curve-base")
+            timed("eval-curve-base", seconds)
     for arm in args.arms:
         scores[arm] = []
         for k, seed in enumerate(args.seeds[arm]):
@@ -690,11 +764,13 @@ def main(argv=None):
             with_curve = curves is not None and arm in CURVE_ARMS and k == 0
             adapter, train_s = train_arm(model_dir, files["train"], train, arm, seed, args, run,
                                          save_every=args.curve_every if with_curve else 0)
+            timed(run.name, train_s)
             avg, stderr, eval_s = evaluate(model_dir, scored, args.n, run_dir(out, "eval", arm, seed), adapter)
+            timed(f"eval-{run.name}", eval_s)
             scores[arm].append(avg)
-            timings[run.name], timings[f"eval-{run.name}"] = round(train_s, 1), round(eval_s, 1)
-            print(f"{arm} seed {seed}: {args.split} avg@{args.n} {100 * avg:.1f} (+-{100 * stderr:.1f} s.e.), "
-                  f"training {train_s:.0f}s, eval {eval_s:.0f}s", flush=True)
+            print(f"{arm} seed {seed}: {args.split} avg@{args.n} {100 * avg:.1f} (+-{100 * stderr:.1f} s.e.)"
+                  + (f", training {train_s:.0f}s" if train_s is not None else ", training kept")
+                  + (f", eval {eval_s:.0f}s" if eval_s is not None else ", eval kept"), flush=True)
             if with_curve:
                 points = []
                 for step in range(args.curve_every, args.steps + 1, args.curve_every):
@@ -705,7 +781,7 @@ def main(argv=None):
                     dev_avg, _, eval_s = evaluate(model_dir, files["dev"], args.curve_n,
                                                   out / f"eval-curve-{run.name}-step{step}", checkpoint)
                     points.append([step, dev_avg])
-                    timings[f"eval-curve-{run.name}-step{step}"] = round(eval_s, 1)
+                    timed(f"eval-curve-{run.name}-step{step}", eval_s)
                 curves["arms"][arm], curves["seed"][arm] = points, seed
                 print(f"{arm} seed {seed}: dev avg@{args.curve_n} every {args.curve_every} steps: "
                       + ", ".join(f"{s} {100 * a:.1f}" for s, a in points), flush=True)
@@ -719,7 +795,8 @@ def main(argv=None):
                "stats": {arm: summarize(scores[arm], base, base_stderr) for arm in args.arms},
                "swapped_twins_in_train": {"heldout": swapped_twins(heldout, train), "dev": swapped_twins(dev, train)},
                "model": str(model_dir), "pretrain": info, "dev_curves": curves, "timings": timings,
-               "seconds": round(time.perf_counter() - t_start, 1)}
+               "seconds": round(time.perf_counter() - t_start, 1), "resumed": args.resume,
+               "seconds_all_pieces": round(sum(timings.values()), 1), "invocations": settings["invocations"]}
     (out / "results.json").write_text(json.dumps(results, indent=2) + "\n")
     plot(results, out, out / "miniature.png")
     if curves:
