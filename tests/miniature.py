@@ -104,8 +104,11 @@ def parse_args(argv=None):
                         "a check, not the experiment)")
     p.add_argument("--full", action="store_true",
                    help="every arm, seeds 1-5 for token, none and sft and 1-3 for the others, with --curves")
-    p.add_argument("--split", default="heldout", choices=["heldout", "dev"],
-                   help="the split the arms are scored on: heldout (the reported numbers) or dev (choosing settings)")
+    p.add_argument("--split", default=None, choices=["heldout", "dev"],
+                   help="the split the arms are scored on: heldout (the reported numbers, the default) or dev")
+    p.add_argument("--select", action="store_true",
+                   help="choosing settings, on dev only: every arm and seed saves a checkpoint every --curve-every "
+                        "steps, each scored by its probability of the exact answer (no sampling); selection.json")
     p.add_argument("--curves", action="store_true",
                    help=f"score checkpoints of the first seed of {', '.join(CURVE_ARMS)} on the dev split")
     p.add_argument("--curve-every", type=int, default=25, help="steps between scored checkpoints (with --curves)")
@@ -133,6 +136,9 @@ def parse_args(argv=None):
         p.error("--output-dir is required.")
     if args.resume and args.overwrite:
         p.error("--resume continues the run in --output-dir, --overwrite clears it: pass one.")
+    if args.select and (args.split == "heldout" or args.full or args.quick or args.curves):
+        p.error("--select scores the dev split by itself: leave out --split heldout, --full, --quick and --curves.")
+    args.split = args.split or ("dev" if args.select else "heldout")
     if args.full and (args.quick or args.arms or args.seeds):
         p.error("--full chooses every arm and its seeds: leave out --quick, --arms and --seeds.")
     seeds = [s.strip() for s in (args.seeds or ("1" if args.quick else ",".join(map(str, DEFAULT_SEEDS)))).split(",")]
@@ -454,6 +460,46 @@ def evaluate(model_dir, data_file, n, out_dir, adapter=None):
     return avg, stderr, None if finished else seconds
 
 
+@torch.no_grad()
+def answer_probability(model_dir, rows, adapter=None):
+    """The mean over `rows` of the probability that the model, at temperature 1 after eval.py's prompt, writes
+    exactly the reference answer ("\\boxed{82}" and the end of turn): what avg@n estimates, less eval.py's top-p
+    and other spellings of a right answer, from one forward pass instead of a sampling run."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    if adapter:
+        opsd.add_lora(model, LORA_R, LORA_ALPHA)
+        opsd.load_adapter(model, adapter)
+    prompts = [evaluation.prompt_ids(tok, r["problem"], thinking=True) for r in rows]
+    inputs, mask = opsd.build_batch(prompts, [answer_ids(tok, r["answer"]) for r in rows], tok.pad_token_id, "cpu")
+    logp = torch.log_softmax(model(**inputs).logits[:, :-1].float(), -1)  # (B, T - 1, V): t predicts t + 1
+    answer_logp = logp.gather(-1, inputs["input_ids"][:, 1:, None])[..., 0] * mask[:, 1:]  # (B, T - 1)
+    return answer_logp.sum(-1).exp().mean().item()
+
+
+def select_settings(args, out, model_dir, files, train, dev):
+    """--select: train every arm and seed with a checkpoint every --curve-every steps and score each checkpoint on
+    the dev split with answer_probability; write selection.json and print the table (in %)."""
+    steps = sorted(set(range(args.curve_every, args.steps, args.curve_every)) | {args.steps})
+    selection = {"base": answer_probability(model_dir, dev), "steps": steps, "lr": args.lr, "sft_lr": args.sft_lr,
+                 "runs": {}}
+    for arm in args.arms:
+        for seed in args.seeds[arm]:
+            run = run_dir(out, "sft" if arm == "sft" else "opsd", arm, seed)
+            adapter, _ = train_arm(model_dir, files["train"], train, arm, seed, args, run, save_every=args.curve_every)
+            selection["runs"][f"{arm} seed {seed}"] = [
+                answer_probability(model_dir, dev, adapter if step == args.steps else run / f"checkpoint-{step}")
+                for step in steps]
+    (out / "selection.json").write_text(json.dumps(selection, indent=2) + "\n")
+    print(f"dev: probability of the exact answer in % (base {100 * selection['base']:.2f}), "
+          f"lr {args.lr:g} (sft {args.sft_lr:g})\n{'step':<16}" + "".join(f"{s:>8}" for s in steps))
+    for name, points in selection["runs"].items():
+        print(f"{name:<16}" + "".join(f"{100 * v:>8.2f}" for v in points))
+    return selection
+
+
 def log_path(run, tag=""):
     """<run>.log next to the run's directory (<run>.<tag>.log for a resumed piece); not with_suffix: "tau0.5"."""
     return run.parent / f"{run.name}{'.' + tag if tag else ''}.log"
@@ -661,7 +707,7 @@ def write_reference_step(path, model_dir=SHIPPED_MODEL, seed=REFERENCE_SEED):
 
 # what a resumed run must share with the run it continues (the rest only say where and how to write)
 RESULT_FLAGS = ("arms", "seeds", "split", "curves", "curve_every", "curve_n", "steps", "lr", "sft_lr", "n",
-                "rebuild_model", "pretrain_steps", "pretrain_seed", "quick", "full")
+                "rebuild_model", "pretrain_steps", "pretrain_seed", "quick", "full", "select")
 
 
 def check_resume(out, args):
@@ -684,7 +730,8 @@ def this_machine():
 
 
 def owned_files(out):
-    names = ["data", "model", "results.json", "miniature.png", "curves.png", "settings.json", "timings.json"]
+    names = ["data", "model", "results.json", "miniature.png", "curves.png", "settings.json", "timings.json",
+             "selection.json"]
     return [out / n for n in names if (out / n).exists()] + sorted(out.glob("eval-*")) + sorted(out.glob("opsd-*")) \
         + sorted(out.glob("sft-*"))
 
@@ -732,6 +779,9 @@ def main(argv=None):
             raise SystemExit(f"{model_dir} was pre-trained on another split of the task: pass --rebuild-model.")
     print(f"starting model: {model_dir} ({args.split} greedy: "
           + ", ".join(f"{k} {100 * v:.1f}%" for k, v in info[f"{args.split}_greedy"].items()) + ")", flush=True)
+
+    if args.select:
+        return select_settings(args, out, model_dir, files, train, dev)
 
     # ---- base model, then every arm and seed: train, score with eval.py
     scored = files[args.split]

@@ -8,6 +8,7 @@ eval.py's scores reach results.json unchanged; an interrupted run resumes to the
 run in the full experiment, not here.)"""
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -170,6 +171,32 @@ def test_reference_step_figures():
     losses = sorted(expected[clip]["loss"] for clip in ("token", "entry", "none"))
     assert losses[1] - losses[0] > 1e-3 and losses[2] - losses[1] > 1e-3
     assert expected["none"]["loss"] == pytest.approx(expected["none"]["kl_mean"], abs=1e-7)
+
+
+def test_selection_scores_the_probability_of_the_exact_answer(tmp_path):
+    """--select with the sft arm for 4 steps: selection.json holds the dev score of the base model and of each
+    checkpoint; the base score equals a float64 computation, row by row and unpadded, of the mean over dev problems
+    of exp(sum of the answer tokens' log-probs) after eval.py's prompt."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    selection = miniature.main(["--output-dir", str(tmp_path), "--select", "--arms", "sft", "--seeds", "2",
+                                "--steps", "4", "--curve-every", "2"])
+    assert json.loads((tmp_path / "selection.json").read_text()) == selection and selection["steps"] == [2, 4]
+    dev = miniature.make_task()[1]
+    tok = AutoTokenizer.from_pretrained(miniature.SHIPPED_MODEL)
+    model = AutoModelForCausalLM.from_pretrained(miniature.SHIPPED_MODEL, dtype=torch.float64).eval()
+    probabilities = []
+    with torch.no_grad():
+        for r in dev:
+            prompt, answer = evaluation.prompt_ids(tok, r["problem"], True), miniature.answer_ids(tok, r["answer"])
+            logp = torch.log_softmax(model(input_ids=torch.tensor([prompt + answer])).logits[0], -1)
+            probabilities.append(math.exp(sum(logp[len(prompt) - 1 + k, t].item() for k, t in enumerate(answer))))
+    assert selection["base"] == pytest.approx(sum(probabilities) / len(dev), rel=1e-4)
+    run = miniature.run_dir(tmp_path, "sft", "sft", 2)
+    points = selection["runs"]["sft seed 2"]
+    assert points[-1] == miniature.answer_probability(miniature.SHIPPED_MODEL, dev, run / "final")
+    assert points[0] == miniature.answer_probability(miniature.SHIPPED_MODEL, dev, run / "checkpoint-2")
+    assert points[0] != selection["base"] and points[1] != points[0]  # each checkpoint is its own adapter
 
 
 def metrics_without_timings(run):
