@@ -58,6 +58,8 @@ ARMS = {
     "token": ("token", 0.05, "solution"),
     "none": ("none", 0.05, "solution"),  # tau only sets the diagnostic's threshold here
     "sft": None,
+    "none-wrong": ("none", 0.05, "wrong_solution"),  # the two controls with the clip that learns on this model
+    "none-control": ("none", 0.05, "no_solution"),
     "entry": ("entry", 0.05, "solution"),
     "control": ("token", 0.05, "no_solution"),
     "wrong": ("token", 0.05, "wrong_solution"),
@@ -68,8 +70,8 @@ ARMS = {
 }
 DEFAULT_ARMS, DEFAULT_SEEDS = ("token", "none", "sft"), (1, 2, 3)
 FULL_SEEDS = {arm: (1, 2, 3, 4, 5) if arm in DEFAULT_ARMS else (1, 2, 3) for arm in ARMS}  # --full
-CURVE_ARMS = ("token", "none", "entry", "sft")
-QUICK_ARM = "none"  # --quick: the opsd.py arm that gained on dev (see the settings below)  # --curves: dev accuracy along training, first seed only
+CURVE_ARMS = ("token", "none", "entry", "sft")  # --curves: dev accuracy along training, first seed only
+QUICK_ARM = "none"  # --quick: the opsd.py arm that gained on dev (see the settings below)
 
 # Settings chosen on the dev split with seed 1 (see the README): the learning rate of each arm family from 2e-3,
 # 5e-3, 1e-2 (token and none for the opsd.py arms; sft also 2e-2), the step count from checkpoints every 25 steps,
@@ -543,9 +545,9 @@ def format_table(results):
     return "\n".join(lines)
 
 
-COLORS = {"token": "tab:blue", "none": "tab:green", "sft": "tab:red", "entry": "tab:orange", "control": "tab:gray",
-          "wrong": "tab:brown", "token@0.5": "tab:cyan", "token@2": "navy", "entry@0.5": "gold",
-          "entry@2": "tab:olive"}
+COLORS = {"token": "tab:blue", "none": "tab:green", "sft": "tab:red", "none-wrong": "peru", "none-control": "silver",
+          "entry": "tab:orange", "control": "tab:gray", "wrong": "tab:brown", "token@0.5": "tab:cyan",
+          "token@2": "navy", "entry@0.5": "gold", "entry@2": "tab:olive"}
 
 
 def figure_titles(results):
