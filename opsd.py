@@ -260,7 +260,6 @@ def build_batch(prompts, completions, pad_id, device):
 
 def start_engine(args, rank, world_size, device):
     from vllm import LLM
-
     # On the CPU, prompts are prefilled whole: a prompt prefilled in chunks samples (and discards) a token per chunk,
     # then rewinds its seeded generator, which a CPU torch.Generator cannot do ("CPU Generator does not use offset").
     cpu = device.type == "cpu"
@@ -281,7 +280,6 @@ def sample(llm, prompts, seeds, args):
     engine shares torch's global RNG, so a global seed would not make sampling reproducible."""
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
-
     params = [SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=seed,
                              max_tokens=args.max_new_tokens, logprobs=0) for seed in seeds]
     outputs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
@@ -303,7 +301,6 @@ def engine_fingerprints(model):
     each output being one weight times 1 plus zeros. Stacked layers (qkv_proj, gate_up_proj) are split back into
     the checkpoint's projections. Returns {checkpoint weight name: fingerprint}."""
     from vllm.model_executor.layers.linear import LinearBase
-
     stacked, prints = getattr(model, "packed_modules_mapping", {}), {}
     for name, m in model.named_modules():
         if isinstance(m, LinearBase):
@@ -852,7 +849,6 @@ def model_fingerprint(model):
     """sha256 of config.json and of each weight file's name, size and 16 evenly spaced 64 KiB samples (the whole
     file under 1 MiB): cheap at any size; retrained or re-released weights change every tensor. eval.py records it."""
     from transformers.utils import cached_file
-
     folder = Path(model).expanduser()
     folder = folder if folder.is_dir() else Path(cached_file(model, "config.json")).parent
     digest = hashlib.sha256((folder / "config.json").read_bytes())
@@ -891,7 +887,6 @@ def open_run(args, start_step):
                 write_atomically(path, "".join(line + "\n" for line in keep))
     if args.wandb_project:
         import wandb
-
         return wandb.init(project=args.wandb_project, name=out_dir.name, config=vars(args), dir=str(out_dir))
     return None
 
@@ -920,7 +915,6 @@ def load_config(args):
     """The model's config, before anything big loads: fields that change logits are refused, and the context
     must fit prompt + answer."""
     from transformers import AutoConfig
-
     if local_path(args.model) and not Path(args.model).expanduser().is_dir():
         fail(f"--model {args.model}: no such directory.")
     try:
@@ -940,7 +934,6 @@ def load_config(args):
 def load_model(args, device):
     """The model with LoRA on all seven projections, after the guards; every rank checks it drew the same LoRA."""
     from transformers import AutoModelForCausalLM
-
     model = AutoModelForCausalLM.from_pretrained(args.model, dtype=getattr(torch, args.dtype)).to(device)
     disable_dropout(model)
     refused = check_logits_path(model)
@@ -1000,7 +993,6 @@ def disable_dropout(model):
 
 def load_prompts(args):
     from transformers import AutoTokenizer
-
     tokenizer = AutoTokenizer.from_pretrained(args.model)
     rows = load_rows(args.dataset, args.dataset_split, args.problem_column, args.context_column, args.data_select)
     return tokenizer, build_prompts(tokenizer, rows, student_thinking=args.student_thinking,
@@ -1013,14 +1005,12 @@ def read_table(dataset, split):
         if local_path(dataset):
             fail(f"--dataset {dataset}: no such file.")
         from datasets import load_dataset
-
         try:
             return list(load_dataset(dataset, split=split))
         except Exception as e:  # the hub's many failure types all mean the same to a user
             fail(f"--dataset {dataset}: cannot load split {split!r} from the hub ({str(e).splitlines()[0]}).")
     if path.suffix.lower() == ".parquet":
         from datasets import load_dataset
-
         return list(load_dataset("parquet", data_files=str(path), split="train"))
     if path.suffix.lower() not in (".json", ".jsonl"):
         fail(f"--dataset {dataset}: a local file must be .json, .jsonl or .parquet.")
@@ -1179,7 +1169,6 @@ def log_step(args, record, rollouts, tracker):
 
 def wandb_table(rollouts):
     import wandb
-
     return wandb.Table(columns=list(rollouts[0]), data=[list(r.values()) for r in rollouts])
 
 if __name__ == "__main__":
