@@ -532,16 +532,17 @@ def summarize(values, base, base_stderr):
 def format_table(results):
     split = results["split"]
     scores, base = results[f"{split}_avg"], results[f"{split}_avg"]["base"]
+    w = max(10, *(len(arm) + 1 for arm in results["arms"]))  # the first column fits the longest arm name
     lines = [f"{split} avg@{results['n']} in % ({results['problems']} problems x {results['n']} samples per model; "
              f"base standard error {100 * results['base_stderr']:.1f}); 95% intervals over seeds",
-             f"{'arm':<10}{'seeds':>6}{'mean':>7}{'95% interval':>15}{'vs base':>17}   per seed",
-             f"{'base':<10}{'':>6}{100 * base:>7.1f}"]
+             f"{'arm':<{w}}{'seeds':>6}{'mean':>7}{'95% interval':>15}{'vs base':>17}   per seed",
+             f"{'base':<{w}}{'':>6}{100 * base:>7.1f}"]
     for arm in results["arms"]:
         s = results["stats"][arm]
         interval = f"{100 * (s['mean'] - s['ci95']):.1f}..{100 * (s['mean'] + s['ci95']):.1f}" if s["ci95"] else "-"
         diff = f"{100 * s['vs_base']:+.1f}" + (f" +- {100 * s['vs_base_ci95']:.1f}" if s["vs_base_ci95"] else "")
         per_seed = "  ".join(f"{100 * v:.1f}" for v in scores[arm])
-        lines.append(f"{arm:<10}{len(scores[arm]):>6}{100 * s['mean']:>7.1f}{interval:>15}{diff:>17}   {per_seed}")
+        lines.append(f"{arm:<{w}}{len(scores[arm]):>6}{100 * s['mean']:>7.1f}{interval:>15}{diff:>17}   {per_seed}")
     return "\n".join(lines)
 
 
