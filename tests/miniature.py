@@ -2,7 +2,7 @@
 
     python tests/miniature.py --output-dir runs/miniature                # a newcomer's run: token, none, sft x 3 seeds
     python tests/miniature.py --output-dir runs/miniature-quick --quick  # what the test suite runs
-    python tests/miniature.py --output-dir runs/miniature-full --full    # every arm, 5 or 3 seeds, dev curves (hours)
+    python tests/miniature.py --output-dir runs/miniature-full --full    # every arm, 5 or 3 seeds, curves (75-80 min)
     python tests/miniature.py --output-dir runs/select --split dev --arms token,sft --seeds 1 --lr 2e-3 --curves
                                                                           # choosing lr and steps: dev only
     python tests/miniature.py --reference-step tests/data/miniature/reference_step.json  # port-check fixture
