@@ -580,9 +580,10 @@ def plot(results, out_dir, path):
         left.bar(x, sum(values) / len(values), color=COLORS[arm], alpha=0.5)
         if len(values) > 1:
             left.scatter([x] * len(values), values, color=COLORS[arm], zorder=3, s=12)
-    left.set_xticks(range(len(arms)), arms, rotation=30)
+    left.set_xticks(range(len(arms)), arms, rotation=40, ha="right", rotation_mode="anchor")
     left.set_ylabel(f"{split} avg@{results['n']} (%)")
     left.set_title(left_title)
+    left.margins(y=0.2)  # room above the highest seed for the legend
     left.legend(loc="upper right")
     for arm in arms:
         if ARMS[arm] is None:
