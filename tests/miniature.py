@@ -102,8 +102,8 @@ def parse_args(argv=None):
     p.add_argument("--seeds", default=None, help="comma-separated seeds every chosen arm runs with (default 1,2,3; "
                                                  "--quick: 1)")
     p.add_argument("--quick", action="store_true",
-                   help=f"the test suite's variant: the {QUICK_ARM} arm, one seed, 2 samples per problem (one seed: "
-                        "a check, not the experiment)")
+                   help=f"the test suite's variant: the {QUICK_ARM} arm, one seed, 2 samples per problem (a check, "
+                        "not the experiment)")
     p.add_argument("--full", action="store_true",
                    help="every arm, seeds 1-5 for token, none and sft and 1-3 for the others, with --curves")
     p.add_argument("--split", default=None, choices=["heldout", "dev"],
