@@ -14,10 +14,13 @@ whose prompt also holds a reference solution. Each optimizer step:
      full-vocabulary forward KL at every answer position; only LoRA weights train,
   4. the merged LoRA weights are pushed into the running vLLM engine in place, and read back.
 
-Departures from the released recipe (README.md's section of that name says what each fixes): left padding with
-positions from the attention mask; prompts to vLLM as token ids; LoRA merged out of place; softmax and KL in
-float32, in chunks from hidden states, normalised by the step's token count over micro-batches and ranks; a
-cosine LR schedule; `--clip token` beside the released recipe's `--clip entry` (the default).
+Departures from the released recipe (README.md's section of that name says what each fixes):
+  1. Left padding with positions from the attention mask: each answer token at the position vLLM sampled it at.
+  2. Prompts reach vLLM as token ids, never decoded and re-encoded.
+  3. LoRA merged out of place for vLLM: the base weights (the fixed teacher) never change.
+  4. Softmax and KL in float32, in chunks from hidden states, normalised by the step's token count over
+     micro-batches and ranks.
+  5. A cosine LR schedule; `--clip token` beside the released recipe's `--clip entry` (the default).
 
 Part 1 is the method, in the order a step runs; part 2 is what keeps a run honest (README.md, "Reading
 opsd.py", maps both). Every name is resolved when it is called, so the order is free.
@@ -266,12 +269,17 @@ def start_engine(args, rank, world_size, device):
     extra = {"enable_chunked_prefill": False} if cpu else {"gpu_memory_utilization": args.vllm_memory}
     max_model_len = args.max_prompt_length + args.max_new_tokens
     return LLM(
-        model=args.model, dtype=args.dtype, max_model_len=max_model_len, enforce_eager=cpu,
+        model=args.model,
+        dtype=args.dtype,
+        max_model_len=max_model_len,
+        enforce_eager=cpu,
         seed=args.seed + rank,  # every request carries its own seed; this only keeps unseeded ones apart
         max_num_seqs=max(1, args.prompts_per_step // world_size),  # this rank's prompts all run at once
         max_num_batched_tokens=max(max_model_len, 8192),  # tokens per engine step: one whole sequence at least
         # under torchrun every rank runs its own tensor-parallel-1 engine inside its own process
-        distributed_executor_backend="external_launcher" if world_size > 1 else None, tensor_parallel_size=1, **extra,
+        distributed_executor_backend="external_launcher" if world_size > 1 else None,
+        tensor_parallel_size=1,
+        **extra,
     )
 
 def sample(llm, prompts, seeds, args):
@@ -283,8 +291,11 @@ def sample(llm, prompts, seeds, args):
     params = [SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=seed,
                              max_tokens=args.max_new_tokens, logprobs=0) for seed in seeds]
     outputs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
-    completions = [list(out.outputs[0].token_ids) for out in outputs]
-    logprobs = [[lp[t].logprob for lp, t in zip(out.outputs[0].logprobs, c)] for out, c in zip(outputs, completions)]
+    completions, logprobs = [], []
+    for out in outputs:
+        tokens = list(out.outputs[0].token_ids)
+        completions.append(tokens)
+        logprobs.append([lp[token].logprob for lp, token in zip(out.outputs[0].logprobs, tokens)])
     return completions, logprobs
 
 def fingerprint(weight):
