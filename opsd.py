@@ -577,9 +577,9 @@ def main(argv=None):
 
         # ---- model + LoRA: A drawn on the CPU from --seed, so every rank and device starts alike (checked)
         model, lora_params = load_model(args, device)
-        fingerprint = run_fingerprint(args, prompts, device)
+        run_identity = run_fingerprint(args, prompts, device)  # what a resume must find unchanged
         if resume_from:
-            check_fingerprint(resume_from, fingerprint)
+            check_fingerprint(resume_from, run_identity)
         optimizer = torch.optim.AdamW(lora_params, lr=args.lr, betas=(0.9, 0.999), weight_decay=0.0)
 
         # ---- vLLM engine (a collective step: all ranks build theirs together)
@@ -649,7 +649,7 @@ def main(argv=None):
                 if is_main:
                     save_run_state(out_dir, model, lora_params, ema, args, state={
                         "step": step + 1, "optimizer": optimizer.state_dict(), "kl_window": list(window),
-                        "fingerprint": fingerprint})
+                        "fingerprint": run_identity})
                 barrier()
 
         # ---- teardown: the final adapter (and the EMA teacher's), in PEFT's layout; then the engine
@@ -873,12 +873,12 @@ def model_fingerprint(model):
                 digest.update(f.read(read))
     return digest.hexdigest()
 
-def check_fingerprint(checkpoint, fingerprint):
+def check_fingerprint(checkpoint, current):
     saved = torch.load(checkpoint / "trainer_state.pt", map_location="cpu", weights_only=True, mmap=True)
-    saved = saved.get("fingerprint", fingerprint)  # checkpoints of an older opsd.py hold none
+    saved = saved.get("fingerprint", current)  # checkpoints of an older opsd.py hold none
     what = {"prompts": "the number of prompts", "prompt_ids_sha256": "the prompts' token ids",
             "model": "the model's files", "device": "the device type"}
-    changed = [f"{what[k]} ({saved[k]} -> {v})" for k, v in fingerprint.items() if saved.get(k) != v]
+    changed = [f"{what[k]} ({saved[k]} -> {v})" for k, v in current.items() if saved.get(k) != v]
     if changed:
         fail(f"--resume: {', '.join(changed)} changed since {checkpoint} was written, so the resumed steps would "
              "differ from the run's: resume with the same data, model and device, or start a new --output-dir.")
