@@ -225,6 +225,9 @@ def test_model_fingerprint_follows_its_definition(tmp_path):
     bins = fake_model(tmp_path / "b", [2 * 2**20], suffix=".bin")  # no safetensors: the .bin files count
     assert ev.model_fingerprint(str(bins)) == fingerprint_by_definition(bins)
     assert ev.model_fingerprint(str(tmp_path / "empty")) is None  # no such directory: nothing to fingerprint
+    import opsd  # a resumed training run checks the same fingerprint: the two scripts keep their own copies
+    for directory in (model, bins):
+        assert opsd.model_fingerprint(str(directory)) == fingerprint_by_definition(directory)
 
 
 def test_model_fingerprint_sees_the_sampled_bytes_and_the_sizes(tmp_path):
