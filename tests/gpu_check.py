@@ -26,12 +26,24 @@ timings, go to stderr. Exit code 0 when every part ran and passed, 1 otherwise, 
 - "logits_probe": "ok", or opsd.check_logits_path's refusal, on the random Qwen3-1.7B in bf16.
 - "lora_init_matches_cpu": opsd.add_lora on the device model draws A matrices bitwise equal to the same
   call on a CPU copy.
+- "padded_batch": a micro-batch of 4 rows of different prompt, context and answer lengths (student and teacher
+  batches both padded, differently), scored as opsd.backward_step scores one (opsd.build_batch, the base
+  teacher, opsd.final_hidden, opsd.opsd_loss) on the random Qwen3-1.7B in bf16 with a LoRA moved off zero,
+  under SDPA's own kernel choice and under each backend forced (flash, efficient, cudnn, math): finite loss
+  and LoRA gradient, each row's loss and the gradient within bf16 tolerance of the rows scored one per batch
+  (no pads). A forced backend that refuses the inputs is recorded as refused; default and math must pass.
+- "identity_readback": the weight push's read-back premise, F.linear(I, W) = W^T bitwise, at every weight
+  shape of Qwen3-1.7B's projections (and vLLM's stacked qkv and gate_up), in bf16 and in float32 with
+  full-precision matmuls (opsd.py's settings for a float32 run); float32 with TF32 allowed is reported only.
+
+tests/gpu_check.md describes each part's fields and tolerances, and keeps the results table.
 
 On a CPU (--smoke without a GPU) peak memory cannot be read from an allocator: every *_mib field is null
 there, and only the CUDA run checks that the chunked loss's peak is below the naive one.
 """
 
 import argparse
+import contextlib
 import copy
 import gc
 import json
@@ -70,12 +82,15 @@ SIZES = {
         micro_batch=4, prompt_tokens=1024, completion_tokens=4096, lora_r=64, lora_alpha=128.0,
         # resume: short sequences, a large lr so that the LoRA update shows in a bf16 forward
         resume_batch=2, resume_prompt=64, resume_completion=192, resume_steps=2, resume_lr=1e-3,
+        # padded_batch: one micro-batch of 4 rows, each of its own prompt, context and answer lengths
+        padded_prompts=[384, 96, 256, 32], padded_contexts=[200, 420, 64, 300], padded_completions=[512, 900, 160, 700],
     ),
     "smoke": dict(
         dtype=torch.bfloat16, model=TINY_QWEN3, model_name="random tiny Qwen3 (2 layers)",
         loss_vocab=4096, loss_hidden=64, loss_batch=2, loss_positions=320, chunk_size=128, f64_positions=300,
         micro_batch=2, prompt_tokens=32, completion_tokens=96, lora_r=8, lora_alpha=16.0,
         resume_batch=2, resume_prompt=16, resume_completion=48, resume_steps=2, resume_lr=1e-3,
+        padded_prompts=[24, 8, 16], padded_contexts=[10, 30, 4], padded_completions=[40, 64, 12],
     ),
 }
 
@@ -86,6 +101,13 @@ SIZES = {
 # 3.2e-3 and 3.3e-3. The margins leave room for GPU kernels' other summation orders.
 F64_TOLERANCE = {"loss": 1e-3, "grad": 2e-2}  # for bf16, the dtype of both sizes
 RESUME_LOSS_RTOL = 1e-6
+# padded_batch: the largest relative difference of a padded row's loss (mean divergence) from the same row alone,
+# and of the micro-batch's LoRA gradient from the rows' alone (norm-wise), both in bf16, where kernels sum in other
+# orders for other shapes and masks. Measured on CPU (SDPA's flash and math kernels), on the random Qwen3-1.7B at a
+# quarter and an eighth of the full lengths: row loss 9e-5 to 7.8e-4, gradient 3.0e-2 to 3.8e-2 (the same at both
+# lengths); at the smoke sizes 2e-4 to 1.4e-3 and 3.4e-3 to 7.2e-3. Pads that reach real tokens move a row's loss
+# by far more (tests/test_gpu_check.py).
+PADDED_TOLERANCE = {"row_loss": 1e-2, "grad": 0.15}
 
 START = time.perf_counter()
 
@@ -440,11 +462,213 @@ def check_lora_init(s, device):
 
 
 # -----------------------------------------------------------------------------
+# "padded_batch": one micro-batch of rows of different lengths under each SDPA backend, against its rows alone
+
+
+# The SDPA backends a device may offer, by the names the JSON uses; "default" is SDPA's own choice (no context)
+SDPA_BACKENDS = {"flash": "FLASH_ATTENTION", "efficient": "EFFICIENT_ATTENTION", "cudnn": "CUDNN_ATTENTION",
+                 "math": "MATH"}
+MUST_PASS = ("default", "math")  # the others may refuse the masked inputs (recorded, not a failure)
+
+
+def padded_rows(s):
+    """Student prompts, teacher prompts (the student's plus a context of another length) and completions of random
+    token ids, every row of its own lengths, so both micro-batches are padded and differently."""
+    g = torch.Generator().manual_seed(5)
+    vocab = s["model"]["vocab_size"]
+
+    def ids(n):
+        return torch.randint(1, vocab, (n,), generator=g).tolist()
+
+    student = [ids(n) for n in s["padded_prompts"]]
+    teacher = [ids(n) + p for n, p in zip(s["padded_contexts"], student)]
+    return student, teacher, [ids(n) for n in s["padded_completions"]]
+
+
+def query_rows_without_key(inputs):
+    """How many query rows of this batch's causal, padded mask allow no key: a row's keys are the unmasked tokens at
+    or before it, so these are the pads before a row's first token (what some CUDA kernels turn into NaN)."""
+    seen = inputs["attention_mask"].cumsum(-1)  # (B, T) unmasked keys at or before each column
+    return int((seen == 0).sum())
+
+
+def score_rows(model, lora_params, rows, num_tokens, chunk_size):
+    """One micro-batch scored as opsd.backward_step scores it (opsd.build_batch for student and teacher, the base
+    teacher's forward, hidden state t predicting token t + 1, opsd.opsd_loss), but each row's loss on its own:
+    backward of sum_rows (row's divergence summed) / num_tokens, as one micro-batch of a step of num_tokens tokens.
+    Returns (each row's mean divergence, the micro-batch's loss, the query rows without a key in both batches)."""
+    student, teacher, completions = rows
+    device = lora_params[0].device
+    s_in, s_mask = opsd.build_batch(student, completions, 0, device)
+    t_in, t_mask = opsd.build_batch(teacher, completions, 0, device)
+    with torch.no_grad(), opsd.teacher_weights(model, lora_params, "base", None):
+        t_hidden = opsd.final_hidden(model, t_in)  # (B, T_teacher, H)
+    s_hidden = opsd.final_hidden(model, s_in)  # (B, T_student, H)
+    lm_head = model.get_output_embeddings().weight
+    row = torch.arange(len(completions), device=device)[:, None]  # (B, 1)
+    means, loss = [], 0.0
+    for r, completion in enumerate(completions):
+        mean, _ = opsd.opsd_loss(s_hidden[:, :-1], (s_mask & (row == r))[:, 1:], t_hidden[:, :-1],
+                                 (t_mask & (row == r))[:, 1:], lm_head, len(completion), chunk_size=chunk_size,
+                                 **LOSS_KW)
+        means.append(mean.item())
+        loss = loss + mean * (len(completion) / num_tokens)
+    loss.backward()
+    return means, loss.item(), query_rows_without_key(s_in) + query_rows_without_key(t_in)
+
+
+def lora_grad(lora_params):
+    return torch.cat([p.grad.flatten().float() for p in lora_params])
+
+
+def zero_grads(lora_params):
+    for p in lora_params:
+        p.grad = None
+
+
+def rel_diff(a, b):
+    return abs(a - b) / max(abs(b), 1e-30)
+
+
+def check_padded(s, device):
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    model = build_model(s, device)
+    lora_params = opsd.add_lora(model, s["lora_r"], s["lora_alpha"], seed=42)
+    with torch.no_grad():  # a student apart from its base teacher, so that every LoRA matrix has a gradient
+        g = torch.Generator().manual_seed(3)
+        for p in lora_params:
+            p.add_((torch.randn(p.shape, generator=g) * 0.02).to(p.dtype).to(p.device))
+    rows = padded_rows(s)
+    num_tokens = sum(map(len, rows[2]))
+    out = {"model": s["model_name"], "dtype": str(s["dtype"])[6:], "student_prompts": s["padded_prompts"],
+           "teacher_prompts": [len(t) for t in rows[1]], "completions": s["padded_completions"],
+           "tolerance": PADDED_TOLERANCE}
+
+    # the oracle: each row in a micro-batch of its own (no pads, no mask), SDPA's own choice of kernel
+    zero_grads(lora_params)
+    alone = [score_rows(model, lora_params, [[x[r]] for x in rows], num_tokens, s["chunk_size"])[0][0]
+             for r in range(len(rows[2]))]
+    alone_grad = lora_grad(lora_params)
+    out["alone_row_losses"] = alone
+    out["alone_finite"] = all(map(math.isfinite, alone)) and bool(torch.isfinite(alone_grad).all())
+
+    def run(name):
+        forced = name != "default"
+        context = sdpa_kernel([getattr(SDPBackend, SDPA_BACKENDS[name])]) if forced else contextlib.nullcontext()
+        zero_grads(lora_params)
+        with context:
+            means, loss, empty = score_rows(model, lora_params, rows, num_tokens, s["chunk_size"])
+        grad = lora_grad(lora_params)
+        finite = math.isfinite(loss) and all(map(math.isfinite, means)) and bool(torch.isfinite(grad).all())
+        row_rel = [rel_diff(m, a) for m, a in zip(means, alone)]
+        grad_rel = ((grad - alone_grad).norm() / alone_grad.norm()).item()
+        return {"loss": loss, "row_losses": means, "finite": finite, "query_rows_without_key": empty,
+                "max_row_rel_diff": max(row_rel), "grad_rel_diff": grad_rel,
+                "passed": finite and max(row_rel) <= PADDED_TOLERANCE["row_loss"]
+                and grad_rel <= PADDED_TOLERANCE["grad"]}
+
+    backends = {}
+    for name in ("default", *SDPA_BACKENDS):
+        if name != "default" and not hasattr(SDPBackend, SDPA_BACKENDS[name]):
+            backends[name] = {"absent": f"torch {torch.__version__} has no SDPBackend.{SDPA_BACKENDS[name]}"}
+        else:
+            try:
+                backends[name] = run(name)
+            except RuntimeError as e:  # a kernel that refuses these inputs (a mask, say) or this device
+                if name in MUST_PASS:
+                    raise
+                backends[name] = {"refused": error_string(e).removeprefix("error: ")}
+        b = backends[name]
+        log(f"padded_batch: {name}: " + (f"loss {b['loss']:.6f}, rows within {b['max_row_rel_diff']:.1e} of alone, "
+                                         f"gradient {b['grad_rel_diff']:.1e}" if "loss" in b
+                                         else "{}: {}".format(*next(iter(b.items())))))
+    out["backends"] = backends
+    out["passed"] = out["alone_finite"] and all(backends[n].get("passed") is True for n in MUST_PASS) and all(
+        b.get("passed", True) for b in backends.values())
+    return {"padded_batch": out}
+
+
+# -----------------------------------------------------------------------------
+# "identity_readback": the push read-back's premise, I W^T = W^T bitwise, at Qwen3-1.7B's projection shapes
+
+
+def projection_shapes(model_config):
+    """{(out, in): the projections with that weight shape}: the seven the LoRA covers, and the two vLLM stacks them
+    into (qkv_proj, gate_up_proj), whose GEMM the engine's read-back runs."""
+    h, i = model_config["hidden_size"], model_config["intermediate_size"]
+    q = model_config["num_attention_heads"] * model_config["head_dim"]
+    kv = model_config["num_key_value_heads"] * model_config["head_dim"]
+    named = [("q_proj", (q, h)), ("k_proj", (kv, h)), ("v_proj", (kv, h)), ("o_proj", (h, q)),
+             ("gate_proj", (i, h)), ("up_proj", (i, h)), ("down_proj", (h, i)),
+             ("qkv_proj", (q + 2 * kv, h)), ("gate_up_proj", (2 * i, h))]
+    shapes = {}
+    for name, shape in named:
+        shapes.setdefault(shape, []).append(name)
+    return shapes
+
+
+def identity_product(eye, weight):
+    """What the engine's read-back computes for an unquantized linear layer on CUDA (vLLM's default GEMM is
+    F.linear): I W^T, (in, out)."""
+    return F.linear(eye, weight)
+
+
+@contextlib.contextmanager
+def float32_matmuls(precision):
+    """float32 matmuls at torch's `precision`: "highest" (full precision, no TF32) is what opsd.py sets for every run
+    and what vLLM's worker sets with VLLM_FLOAT32_MATMUL_PRECISION=highest, which opsd.py forces; "high" allows
+    TF32. The process's previous setting comes back afterwards."""
+    before = torch.get_float32_matmul_precision()
+    torch.set_float32_matmul_precision(precision)
+    try:
+        yield
+    finally:
+        torch.set_float32_matmul_precision(before)
+
+
+def readback_mismatches(shape, dtype, device, seed):
+    """Elements of W^T that I W^T does not give back bitwise (-0.0 counted as 0.0, as opsd.fingerprint does), for a
+    random W of this shape at a trained model's scale; and whether opsd.fingerprint tells them apart."""
+    g = torch.Generator(device=device).manual_seed(seed)
+    weight = (torch.randn(shape, generator=g, device=device) * 0.02).to(dtype)  # (out, in)
+    eye = torch.eye(shape[1], dtype=dtype, device=device)
+    got = identity_product(eye, weight).t()  # (out, in)
+    bits = getattr(torch, f"int{8 * weight.element_size()}")
+    differ = (got + 0.0).view(bits) != (weight + 0.0).view(bits)
+    return int(differ.sum()), opsd.fingerprint(got) == opsd.fingerprint(weight)
+
+
+def check_readback(s, device):
+    shapes = projection_shapes(s["model"])
+    settings = {"bfloat16": (torch.bfloat16, contextlib.nullcontext),
+                "float32": (torch.float32, lambda: float32_matmuls("highest")),
+                "float32_tf32_allowed": (torch.float32, lambda: float32_matmuls("high"))}  # reported, unjudged
+    out = {"shapes": {"x".join(map(str, shape)): names for shape, names in shapes.items()}}
+    for key, (dtype, context) in settings.items():
+        with context():
+            found = {"x".join(map(str, shape)): readback_mismatches(shape, dtype, device, seed=n)
+                     for n, shape in enumerate(shapes)}
+            matmul = {"float32_matmul_precision": torch.get_float32_matmul_precision(),
+                      "allow_tf32": torch.backends.cuda.matmul.allow_tf32,
+                      "allow_bf16_reduced_precision_reduction":
+                          torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction}
+        out[key] = {"settings": matmul, "mismatched_elements": {k: v[0] for k, v in found.items()},
+                    "fingerprint_equal": {k: v[1] for k, v in found.items()},
+                    "bitwise": all(v[0] == 0 for v in found.values())}
+        log(f"identity_readback: {key}: " + ("bitwise at every shape" if out[key]["bitwise"] else
+            "differs: " + ", ".join(f"{k} ({v} elements)" for k, v in out[key]["mismatched_elements"].items() if v)))
+    out["passed"] = out["bfloat16"]["bitwise"] and out["float32"]["bitwise"]
+    return {"identity_readback": out}
+
+
+# -----------------------------------------------------------------------------
 # The run
 
 
 PARTS = [("loss", check_loss), ("step", check_step), ("resume_roundtrip", check_resume),
-         ("logits_probe", check_logits_probe), ("lora_init_matches_cpu", check_lora_init)]
+         ("logits_probe", check_logits_probe), ("lora_init_matches_cpu", check_lora_init),
+         ("padded_batch", check_padded), ("identity_readback", check_readback)]
 
 
 def failures(results):
@@ -458,6 +682,8 @@ def failures(results):
     failed += [k for k in ("resume_roundtrip", "lora_init_matches_cpu") if results.get(k) is not True]
     if results.get("logits_probe") != "ok":
         failed.append("logits_probe")
+    failed += [k for k in ("padded_batch", "identity_readback")
+               if not (isinstance(results.get(k), dict) and results[k]["passed"] is True)]
     return failed
 
 
@@ -467,8 +693,9 @@ def fail(message):
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description="Check opsd.py's loss, training step, resume and LoRA init on one GPU "
-                                            "without vLLM; one JSON object to --output.")
+    p = argparse.ArgumentParser(description="Check opsd.py's loss, training step, resume, LoRA init, padded batches "
+                                            "and the push read-back's premise on one GPU without vLLM; one JSON "
+                                            "object to --output.")
     p.add_argument("--output", required=True, help="the JSON file to write (rewritten after every part)")
     p.add_argument("--smoke", action="store_true",
                    help="tiny sizes on whatever device there is (a CPU here): the same code, in seconds")

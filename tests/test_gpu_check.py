@@ -90,8 +90,41 @@ def test_smoke_run_passes_without_vllm(smoke):
         assert all(isinstance(r[part][field], float) for part, field in MIB_FIELDS)
         assert loss["chunked_below_naive"] is True and loss["peak_mib"] < loss["naive_peak_mib"]
 
+    padded = r["padded_batch"]
+    assert padded["passed"] is True and padded["alone_finite"] is True
+    assert padded["backends"].keys() == {"default", "flash", "efficient", "cudnn", "math"}
+    for name, b in padded["backends"].items():
+        if name in ("default", "math"):
+            assert "loss" in b, (name, b)
+        if "loss" in b:  # ran: finite, no query row without a key, each row within the tolerance of its loss alone
+            assert b["passed"] is True and b["finite"] is True and b["query_rows_without_key"] == 0
+            assert b["max_row_rel_diff"] <= padded["tolerance"]["row_loss"]
+            assert b["grad_rel_diff"] <= padded["tolerance"]["grad"]
+            assert len(b["row_losses"]) == len(padded["alone_row_losses"]) == 3
+            assert b["loss"] > 0 and all(x > 0 for x in b["row_losses"])
+        else:  # refused (the CPU has no memory-efficient or cuDNN kernel) or absent: a one-line reason
+            ((verdict, reason),) = b.items()
+            assert verdict in ("refused", "absent") and reason.strip() and "\n" not in reason
+    # every row has its own lengths, student and teacher alike, so both batches hold pads
+    assert len(set(padded["student_prompts"])) == len(set(padded["completions"])) == 3
+    assert len({t - s for t, s in zip(padded["teacher_prompts"], padded["student_prompts"])}) == 3
+
+    readback = r["identity_readback"]
+    assert readback["passed"] is True
+    # the tiny Qwen3's shapes: hidden 64, intermediate 128, 2 query heads and 1 key/value head of 32
+    assert readback["shapes"] == {"64x64": ["q_proj", "o_proj"], "32x64": ["k_proj", "v_proj"],
+                                  "128x64": ["gate_proj", "up_proj", "qkv_proj"], "64x128": ["down_proj"],
+                                  "256x64": ["gate_up_proj"]}
+    # TF32 exists on CUDA only: on a CPU the unjudged float32_tf32_allowed is exact as well
+    for key in ("bfloat16", "float32", "float32_tf32_allowed")[:3 if r["device"] == "cpu" else 2]:
+        assert readback[key]["bitwise"] is True and set(readback[key]["mismatched_elements"].values()) == {0}
+        assert all(readback[key]["fingerprint_equal"].values())
+    assert readback["float32"]["settings"]["float32_matmul_precision"] == "highest"
+    assert readback["float32"]["settings"]["allow_tf32"] is False
+
     # progress lines with timings, one per finished part
-    for key in ("loss", "step", "resume_roundtrip", "logits_probe", "lora_init_matches_cpu"):
+    for key in ("loss", "step", "resume_roundtrip", "logits_probe", "lora_init_matches_cpu", "padded_batch",
+                "identity_readback"):
         assert f"] {key}: done in " in proc.stderr
 
 
@@ -130,7 +163,8 @@ BREAKING = textwrap.dedent("""
     import gpu_check, opsd
 
     s, dev = gpu_check.SIZES["smoke"], torch.device("cpu")
-    orig = {n: getattr(opsd, n) for n in ("opsd_loss", "restore", "add_lora", "final_hidden", "backward_step")}
+    orig = {n: getattr(opsd, n) for n in ("opsd_loss", "restore", "add_lora", "final_hidden", "backward_step",
+                                          "build_batch")}
 
     @contextmanager
     def broken(name, fn):
@@ -171,6 +205,70 @@ BREAKING = textwrap.dedent("""
     def backward_fails(*a, **kw):
         raise RuntimeError("backward broken on purpose")
 
+    def left_padded(prompts, completions, pad_id, device, attend_pads=False):
+        # the released builder: [left pads | prompt | completion | right pads], positions cumsum - 1; with
+        # attend_pads, a mask that lets every token see the pads too
+        P, L = max(map(len, prompts)), max(map(len, completions))
+        input_ids = torch.full((len(prompts), P + L), pad_id, dtype=torch.long)
+        attention_mask = torch.zeros_like(input_ids)
+        completion_mask = torch.zeros_like(input_ids, dtype=torch.bool)
+        for row, (prompt, completion) in enumerate(zip(prompts, completions)):
+            input_ids[row, P - len(prompt):P] = torch.tensor(prompt)
+            input_ids[row, P:P + len(completion)] = torch.tensor(completion)
+            attention_mask[row, P - len(prompt):P + len(completion)] = 1
+            completion_mask[row, P:P + len(completion)] = True
+        position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)  # (B, P + L)
+        if attend_pads:
+            attention_mask[:, :P] = 1
+        inputs = dict(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids)
+        return {k: v.to(device) for k, v in inputs.items()}, completion_mask.to(device)
+
+    def left_padded_pads_attended(*a):
+        return left_padded(*a, attend_pads=True)
+
+    # A stand-in for the CUDA kernels that return NaN for a query row whose mask allows no key (the CPU's SDPA
+    # returns 0 there): SDPA's result with such rows set to NaN, registered in transformers in SDPA's place.
+    from transformers import AttentionInterface
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    def nan_on_rows_without_key(module, query, key, value, attention_mask, **kwargs):
+        out, weights = sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)  # (B, Q, H, D)
+        if attention_mask is not None:
+            without_key = ~attention_mask.bool().any(-1)  # (B, 1, Q)
+            out = out.masked_fill(without_key.any(1)[:, :, None, None], float("nan"))
+        return out, weights
+
+    @contextmanager
+    def nan_kernel():
+        AttentionInterface.register("sdpa", nan_on_rows_without_key)
+        try:
+            yield
+        finally:
+            AttentionInterface.register("sdpa", sdpa_attention_forward)
+
+    orig_product = gpu_check.identity_product
+
+    @contextmanager
+    def product(fn):
+        gpu_check.identity_product = fn
+        try:
+            yield
+        finally:
+            gpu_check.identity_product = orig_product
+
+    def one_ulp_off(eye, weight):  # one element of I W^T one unit in the last place away
+        got = orig_product(eye, weight).clone()
+        got[1, 2] = torch.nextafter(got[1, 2], torch.tensor(float("inf"), dtype=got.dtype))
+        return got
+
+    def tf32(x):  # float32 rounded to TF32's 10 mantissa bits (to nearest, ties away), as a TF32 GEMM reads it
+        bits = x.contiguous().view(torch.int32)
+        return ((bits + 0x1000) & ~0x1FFF).view(torch.float32)
+
+    def tf32_when_allowed(eye, weight):  # a device whose float32 GEMM rounds to TF32 whenever it is allowed
+        fast = torch.backends.cuda.matmul.allow_tf32 or torch.get_float32_matmul_precision() != "highest"
+        return orig_product(eye, tf32(weight) if fast and weight.dtype == torch.float32 else weight)
+
     out = {"clean_loss": gpu_check.check_loss(s, dev)["loss"]["matches_float64"],
            "clean_resume": gpu_check.check_resume(s, dev)["resume_roundtrip"]}
     for case, name, fn in [("loss_value_off", "opsd_loss", loss_value_off), ("grad_off", "opsd_loss", grad_off)]:
@@ -184,6 +282,25 @@ BREAKING = textwrap.dedent("""
         out["lora_global_rng"] = gpu_check.check_lora_init(s, dev)["lora_init_matches_cpu"]
     with broken("final_hidden", scaled_hidden):
         out["scaled_logits"] = gpu_check.check_logits_probe(s, dev)["logits_probe"]
+    with broken("build_batch", left_padded):
+        out["left_padded"] = gpu_check.check_padded(s, dev)["padded_batch"]
+        with nan_kernel():
+            out["left_padded_nan_kernel"] = gpu_check.check_padded(s, dev)["padded_batch"]
+    with broken("build_batch", left_padded_pads_attended):
+        out["pads_attended"] = gpu_check.check_padded(s, dev)["padded_batch"]
+    with nan_kernel():
+        out["right_padded_nan_kernel"] = gpu_check.check_padded(s, dev)["padded_batch"]
+    with product(one_ulp_off):
+        out["one_ulp_off"] = gpu_check.check_readback(s, dev)["identity_readback"]
+    torch.backends.cuda.matmul.allow_tf32 = True  # a user's setting: the float32 check must not run under it
+    torch.set_float32_matmul_precision("high")
+    with product(tf32_when_allowed):
+        out["tf32_when_allowed"] = gpu_check.check_readback(s, dev)["identity_readback"]
+        out["settings_after"] = [torch.backends.cuda.matmul.allow_tf32, torch.get_float32_matmul_precision()]
+    torch.set_float32_matmul_precision("highest")
+    torch.backends.cuda.matmul.allow_tf32 = False
+    with product(lambda eye, weight: orig_product(eye, tf32(weight) if weight.dtype == torch.float32 else weight)):
+        out["tf32_always"] = gpu_check.check_readback(s, dev)["identity_readback"]
     with broken("backward_step", backward_fails):
         out["main_rc"] = gpu_check.main(["--smoke", "--output", sys.argv[1]])
     print(json.dumps(out))
@@ -237,3 +354,71 @@ def test_a_failing_part_is_an_error_string_and_the_others_still_run(broken):
     assert r["finished"] is True and r["ok"] is False and r["failures"] == ["step", "resume_roundtrip"]
     assert r["step"] == r["resume_roundtrip"] == "error: RuntimeError: backward broken on purpose"
     assert r["loss"]["matches_float64"] is True and r["logits_probe"] == "ok" and r["lora_init_matches_cpu"] is True
+    assert r["padded_batch"]["passed"] is True and r["identity_readback"]["passed"] is True
+
+
+def test_the_padded_batch_check_catches_left_pads_under_a_nan_kernel(broken):
+    found, _ = broken
+    # the CPU's SDPA returns 0 for a left pad's query row: left pads pass here, which is why CPU tests missed them
+    left = found["left_padded"]
+    pads = sum(max(prompts) - n for prompts in (left["student_prompts"], left["teacher_prompts"]) for n in prompts)
+    assert pads > 0 and left["backends"]["default"]["query_rows_without_key"] == pads  # each left pad is such a row
+    assert left["passed"] is True
+    # under a kernel that returns NaN there (as some CUDA kernels do), the check fails on every backend that ran
+    nan = found["left_padded_nan_kernel"]
+    assert nan["passed"] is False and nan["alone_finite"] is True  # rows alone have no pads
+    ran = {name: b for name, b in nan["backends"].items() if "loss" in b}
+    assert {"default", "math"} <= ran.keys()
+    assert all(b["finite"] is False and b["passed"] is False for b in ran.values())
+    # opsd.py's right-padded batch has no such row: the same kernel changes nothing
+    right = found["right_padded_nan_kernel"]
+    assert right["passed"] is True
+    assert all(b["query_rows_without_key"] == 0 and b["finite"] for b in right["backends"].values() if "loss" in b)
+
+
+def test_the_padded_batch_check_catches_pads_that_reach_real_tokens(broken):
+    found, _ = broken
+    leak = found["pads_attended"]  # finite, but each row's loss is no longer its loss alone
+    assert leak["passed"] is False
+    for name in ("default", "math"):
+        b = leak["backends"][name]
+        assert b["finite"] is True and b["passed"] is False
+        assert b["max_row_rel_diff"] > 10 * leak["tolerance"]["row_loss"]
+        assert b["grad_rel_diff"] > leak["tolerance"]["grad"]
+
+
+def test_the_readback_check_catches_one_ulp(broken):
+    found, _ = broken
+    r = found["one_ulp_off"]
+    assert r["passed"] is False
+    for key in ("bfloat16", "float32", "float32_tf32_allowed"):
+        assert r[key]["bitwise"] is False
+        assert set(r[key]["mismatched_elements"].values()) == {1}  # one element at every shape
+        assert not any(r[key]["fingerprint_equal"].values())  # and opsd.fingerprint sees it
+
+
+def test_the_readback_check_runs_float32_at_full_precision_whatever_was_set(broken):
+    found, _ = broken
+    # a device that rounds float32 GEMMs to TF32 when allowed; the process had TF32 allowed beforehand
+    r = found["tf32_when_allowed"]
+    assert r["passed"] is True and r["bfloat16"]["bitwise"] and r["float32"]["bitwise"]
+    assert r["float32_tf32_allowed"]["bitwise"] is False  # reported, not judged
+    assert min(r["float32_tf32_allowed"]["mismatched_elements"].values()) > 0
+    precision = {key: {k: r[key]["settings"][k] for k in ("float32_matmul_precision", "allow_tf32")}
+                 for key in ("float32", "float32_tf32_allowed")}
+    assert precision == {"float32": {"float32_matmul_precision": "highest", "allow_tf32": False},
+                         "float32_tf32_allowed": {"float32_matmul_precision": "high", "allow_tf32": True}}
+    assert found["settings_after"] == [True, "high"]  # the process's own settings are given back
+    # a device whose float32 GEMM is never exact fails the float32 check only
+    r = found["tf32_always"]
+    assert r["passed"] is False and r["bfloat16"]["bitwise"] is True and r["float32"]["bitwise"] is False
+
+
+def test_the_readback_shapes_are_qwen3_1_7b_s():
+    import gpu_check
+
+    # Qwen3-1.7B's published config: hidden 2,048, intermediate 6,144, 16 query heads and 8 key/value heads of 128
+    assert gpu_check.projection_shapes(gpu_check.QWEN3_1_7B) == {
+        (2048, 2048): ["q_proj", "o_proj"], (1024, 2048): ["k_proj", "v_proj"],
+        (6144, 2048): ["gate_proj", "up_proj"], (2048, 6144): ["down_proj"],
+        (4096, 2048): ["qkv_proj"], (12288, 2048): ["gate_up_proj"]}
