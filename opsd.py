@@ -911,16 +911,15 @@ def save_run_state(out_dir, model, lora_params, ema, args, state=None):
     step): no RNG state."""
     final_dir = Path(out_dir) / (f"checkpoint-{state['step']}" if state else "final")
     tmp = final_dir.with_name(f".tmp-{final_dir.name}")
-    with uninterruptible():
-        shutil.rmtree(tmp, ignore_errors=True)
-        save_adapter(model, tmp, args.model)
-        if ema is not None:
-            with lora_values(lora_params, ema):
-                save_adapter(model, tmp / "ema", args.model)
-        if state is not None:
-            torch.save(state, tmp / "trainer_state.pt")
-        shutil.rmtree(final_dir, ignore_errors=True)
-        os.rename(tmp, final_dir)
+    shutil.rmtree(tmp, ignore_errors=True)
+    save_adapter(model, tmp, args.model)
+    if ema is not None:
+        with lora_values(lora_params, ema):
+            save_adapter(model, tmp / "ema", args.model)
+    if state is not None:
+        torch.save(state, tmp / "trainer_state.pt")
+    shutil.rmtree(final_dir, ignore_errors=True)
+    os.rename(tmp, final_dir)
 
 # -----------------------------------------------------------------------------
 # Logs: args.json, the step line, metrics.jsonl and rollouts.jsonl; Weights & Biases when asked
@@ -929,16 +928,15 @@ def open_run(args, start_step, run_identity):
     """Rank 0: delete the old run (--overwrite), record the flags and the run fingerprint, cut the logs back to the
     resumed step (dropping records of later steps and a line a kill cut short), start Weights & Biases when asked."""
     out_dir = Path(args.output_dir)
-    with uninterruptible():
-        if args.overwrite:
-            for path in run_files(out_dir):
-                shutil.rmtree(path) if path.is_dir() else path.unlink()
-        record = {**vars(args), "fingerprint": run_identity}  # the flags, and what a resume must find unchanged
-        write_atomically(out_dir / "args.json", json.dumps(record, indent=2) + "\n")
-        for path in (out_dir / "metrics.jsonl", out_dir / "rollouts.jsonl"):
-            if path.exists():
-                keep = [line for line in path.read_text().splitlines() if record_step(line) <= start_step]
-                write_atomically(path, "".join(line + "\n" for line in keep))
+    if args.overwrite:
+        for path in run_files(out_dir):
+            shutil.rmtree(path) if path.is_dir() else path.unlink()
+    record = {**vars(args), "fingerprint": run_identity}  # the flags, and what a resume must find unchanged
+    write_atomically(out_dir / "args.json", json.dumps(record, indent=2) + "\n")
+    for path in (out_dir / "metrics.jsonl", out_dir / "rollouts.jsonl"):
+        if path.exists():
+            keep = [line for line in path.read_text().splitlines() if record_step(line) <= start_step]
+            write_atomically(path, "".join(line + "\n" for line in keep))
     if args.wandb_project:
         import wandb
         return wandb.init(project=args.wandb_project, name=out_dir.name, config=vars(args), dir=str(out_dir))
@@ -971,12 +969,11 @@ def log_step(args, record, rollouts, tracker):
           + (f" <- gap above the {args.dtype} noise floor measured on CPU: stale weights or wrong positions?"
              if stale else ""),
           flush=True)
-    with uninterruptible():
-        with open(out_dir / "metrics.jsonl", "a") as f:
-            f.write(json.dumps(record) + "\n")
-        if rollouts:
-            with open(out_dir / "rollouts.jsonl", "a") as f:
-                f.writelines(json.dumps(r) + "\n" for r in rollouts)
+    with open(out_dir / "metrics.jsonl", "a") as f:
+        f.write(json.dumps(record) + "\n")
+    if rollouts:
+        with open(out_dir / "rollouts.jsonl", "a") as f:
+            f.writelines(json.dumps(r) + "\n" for r in rollouts)
     if tracker:
         import wandb
         table = rollouts and wandb.Table(columns=list(rollouts[0]), data=[list(r.values()) for r in rollouts])
@@ -1180,25 +1177,13 @@ def check_finite(step, loss, grad_norm, out_dir):
              f"stopped before the update, last checkpoint: {latest_checkpoint(out_dir) or 'none'}.")
 
 # -----------------------------------------------------------------------------
-# Signals: on Ctrl-C or SIGTERM every rank stops without a traceback or a half-written file; rank 0 says how to resume
+# Signals: on Ctrl-C or SIGTERM every rank stops without a traceback; rank 0 says how to resume
 
-SIGNALS = {"received": None, "deferred": False}
+SIGNALS = {"received": None}
 
 def on_signal(signum, frame):
     SIGNALS["received"] = signum
-    if not SIGNALS["deferred"]:
-        raise KeyboardInterrupt
-
-@contextmanager
-def uninterruptible():
-    """A write that must not be cut in half (logs, checkpoints): a signal arriving meanwhile acts after it."""
-    SIGNALS["deferred"] = True
-    try:
-        yield
-    finally:
-        SIGNALS["deferred"] = False
-    if SIGNALS["received"]:
-        raise KeyboardInterrupt
+    raise KeyboardInterrupt
 
 @contextmanager
 def stop_quietly_on_signals(args, world_size, argv):

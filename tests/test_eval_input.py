@@ -8,7 +8,6 @@ case stops before the engine would start."""
 
 import hashlib
 import json
-import os
 import random
 import subprocess
 import sys
