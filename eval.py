@@ -10,15 +10,18 @@ import argparse
 import hashlib
 import json
 import os
-import sys
 import threading
 from collections import Counter, defaultdict
+from functools import partial
 from pathlib import Path
 
 import math_verify
 
+import opsd  # what both scripts share: the prompt, the row reader, the model fingerprint, refusals, CPU settings
+from opsd import AT_LEAST_1, NON_NEGATIVE, SHARE, model_dir, model_fingerprint
+
+fail = partial(opsd.fail, prog="eval.py")  # one sentence, "eval.py: error: ...", exit code 2
 HUB_IDS = {"aime24": "HuggingFaceH4/aime_2024", "aime25": "yentinglin/aime_2025", "hmmt25": "MathArena/hmmt_feb_2025"}
-INSTRUCTION = "Please reason step by step, and put your final answer within \\boxed{}."
 GRADING_TIMEOUT_S = 5
 # What decides what a sample is, settings and contents behind the paths: a restart must not mix samples of others.
 SAMPLING_KEYS = ("model", "adapter", "thinking", "temperature", "top_p", "max_new_tokens", "seed", "dtype")
@@ -26,15 +29,16 @@ CONTENT_KEYS = {"model_fingerprint": "model weights", "adapter_sha256": "adapter
 VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # the max_lora_rank values vLLM 0.32 takes
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0].strip(),
+    p = argparse.ArgumentParser(prog="eval.py", description=__doc__.split("\n\n")[0].strip(),
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.error = fail  # argparse's refusals in the same one sentence
     g = p.add_argument_group("model")
     g.add_argument("--model", required=True, default=argparse.SUPPRESS, help="hub id or local path of the base model")
     g.add_argument("--adapter", help="LoRA adapter directory written by opsd.py, applied through vLLM's LoRA support")
     g.add_argument("--allow-other-base", action="store_true", help="evaluate --adapter on a model not its base")
     g.add_argument("--dtype", default="auto", help="vLLM weight dtype; auto takes the model config's")
-    g.add_argument("--tensor-parallel-size", type=int, default=1, help="GPUs one vLLM engine is split over")
-    g.add_argument("--gpu-memory-utilization", type=float, help="share of GPU memory vLLM may take (None: vLLM's)")
+    g.add_argument("--tensor-parallel-size", type=AT_LEAST_1, default=1, help="GPUs one vLLM engine is split over")
+    g.add_argument("--gpu-memory-utilization", type=SHARE, help="share of GPU memory vLLM may take (None: vLLM's)")
     g.add_argument("--enforce-eager", action=argparse.BooleanOptionalAction, default=False,
                    help="skip CUDA graphs and compilation: a quicker start, and what a CPU run needs")
     g = p.add_argument_group("data")
@@ -45,29 +49,23 @@ def parse_args(argv=None):
     g.add_argument("--problem-column", default="problem", help="column holding the problem text")
     g.add_argument("--answer-column", default="answer", help="column holding the reference answer")
     g = p.add_argument_group("sampling")
-    g.add_argument("--n", type=int, default=12, help="samples per problem")
-    g.add_argument("--temperature", type=float, default=1.0, help="sampling temperature")
-    g.add_argument("--top-p", type=float, default=0.95, help="nucleus sampling threshold")
-    g.add_argument("--max-new-tokens", type=int, default=38912, help="generation budget per sample")
+    g.add_argument("--n", type=AT_LEAST_1, default=12, help="samples per problem")
+    g.add_argument("--temperature", type=NON_NEGATIVE, default=1.0, help="sampling temperature")
+    g.add_argument("--top-p", type=SHARE, default=0.95, help="nucleus sampling threshold")
+    g.add_argument("--max-new-tokens", type=AT_LEAST_1, default=38912, help="generation budget per sample")
     g.add_argument("--thinking", action=argparse.BooleanOptionalAction, default=True, help="enable_thinking")
     g.add_argument("--seed", type=int, default=42, help="root of every per-sample seed")
     p.add_argument("--output-dir", required=True, default=argparse.SUPPRESS, help="for samples, summary and config")
-    args = p.parse_args(argv)
-    check_flags(args)
-    return args
+    return p.parse_args(argv)
 
 
 # -----------------------------------------------------------------------------
 # Prompts and sampling with vLLM: the released prompt as token ids; one engine samples everything, each sample
 # with its own seed (a restart draws the same sample again) and written to samples.jsonl the moment it finishes.
 
-def build_prompt(problem):
-    return f"{problem}\n\n{INSTRUCTION}"
-
 def prompt_ids(tokenizer, problem, thinking):
-    messages = [{"role": "user", "content": build_prompt(problem)}]
-    return tokenizer.apply_chat_template(messages, add_generation_prompt=True, enable_thinking=thinking,
-                                         tokenize=True, return_dict=False)
+    """The released evaluation's prompt (opsd.py --student-prompt eval trains in it), as token ids."""
+    return opsd.render(tokenizer, opsd.eval_message(problem), thinking)
 
 def sample_seed(seed, benchmark, problem, sample):
     digest = hashlib.sha256(f"{seed}/{benchmark}/{problem}/{sample}".encode()).digest()  # hash() is salted
@@ -75,25 +73,23 @@ def sample_seed(seed, benchmark, problem, sample):
 
 def start_engine(args):
     """The vLLM engine, and the LoRARequest that applies --adapter to every sample (None without one)."""
-    os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")  # its ~90 start-up lines would bury the progress
     from vllm import LLM
     from vllm.lora.request import LoRARequest
     from vllm.platforms import current_platform
-    extra = {}
-    if args.gpu_memory_utilization is not None:  # on the CPU build it is a share of RAM: leave it unset there
+    cpu = current_platform.is_cpu()
+    # its ~90 start-up lines would bury the progress; the CPU build reserves 92% of RAM without a KV cache size (and
+    # --gpu-memory-utilization is a share of RAM there)
+    opsd.engine_environment(cpu and args.gpu_memory_utilization is None)
+    extra = {"enforce_eager": args.enforce_eager, **(opsd.CPU_ENGINE if cpu else {})}
+    if args.gpu_memory_utilization is not None:
         extra["gpu_memory_utilization"] = args.gpu_memory_utilization
-    elif current_platform.is_cpu():  # else the CPU build reserves 92% of RAM, and will not start with less free
-        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-    if current_platform.is_cpu():
+    if cpu:
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the engine in this process: a 2x quicker start
-        # Whole prompts: one prefilled in chunks (past 4,096 queued tokens) rewinds its seeded generator, which a CPU
-        # torch.Generator cannot do ("CPU Generator does not use offset").
-        extra["enable_chunked_prefill"] = False
     if args.adapter:  # vLLM takes only some maximum ranks: the smallest that holds the adapter's (check_adapter)
         rank = json.loads((Path(args.adapter) / "adapter_config.json").read_text())["r"]
         extra.update(enable_lora=True, max_lora_rank=min(r for r in VLLM_LORA_RANKS if r >= rank))
     llm = LLM(model=args.model, dtype=args.dtype, seed=args.seed, tensor_parallel_size=args.tensor_parallel_size,
-              enforce_eager=args.enforce_eager, use_tqdm_on_load=False, **extra)
+              use_tqdm_on_load=False, **extra)
     return llm, (LoRARequest("adapter", 1, str(Path(args.adapter).resolve())) if args.adapter else None)
 
 def draw(args, problems, todo, out_dir, config):
@@ -221,8 +217,8 @@ def format_table(summary, n):
 def main(argv=None):
     args = parse_args(argv)
     sources = benchmark_sources(args.benchmarks, args.data)
-    if not Path(args.model).exists() and (args.model.startswith((".", "/", "~")) or args.model.count("/") != 1):
-        raise SystemExit(f"--model {args.model}: no such directory, and not a hub id of the form owner/name.")
+    if opsd.local_path(args.model) and not Path(args.model).expanduser().is_dir():  # opsd.py's rule, its sentence
+        fail(f"--model {args.model}: no such directory.")
     if args.adapter:
         check_adapter(args.adapter, args.model, args.allow_other_base)
     problems = {b: load_problems(b, src, args.problem_column, args.answer_column) for b, src in sources.items()}
@@ -254,20 +250,7 @@ def main(argv=None):
 # Bad input is refused early, in one sentence, before any engine starts; a restart cannot mix in other samples.
 
 # -----------------------------------------------------------------------------
-# Flags and data: flag ranges, benchmark names, and reading the problems; a bad file is named with its line or row.
-
-def check_flags(args):
-    for flag, ok, rule in [
-        ("--n", args.n >= 1, "at least 1"),
-        ("--temperature", args.temperature >= 0, "0 or more"),
-        ("--top-p", 0 < args.top_p <= 1, "in (0, 1]"),
-        ("--max-new-tokens", args.max_new_tokens >= 1, "at least 1"),
-        ("--tensor-parallel-size", args.tensor_parallel_size >= 1, "at least 1"),
-        ("--gpu-memory-utilization", args.gpu_memory_utilization is None or 0 < args.gpu_memory_utilization <= 1,
-         "in (0, 1]"),
-    ]:
-        if not ok:
-            raise SystemExit(f"{flag} must be {rule}, got {getattr(args, flag[2:].replace('-', '_'))}.")
+# Data: benchmark names, and reading the problems; a bad file is named with its line or row.
 
 def benchmark_sources(benchmarks, data):
     """{name: hub id or local path}, failing early on a malformed --data or an unknown name."""
@@ -275,14 +258,14 @@ def benchmark_sources(benchmarks, data):
     for item in data:
         name, sep, path = item.partition("=")
         if not sep or not name or not path:
-            raise SystemExit(f"--data takes NAME=PATH, got '{item}'.")
+            fail(f"--data takes NAME=PATH, got '{item}'.")
         if not Path(path).is_file():
-            raise SystemExit(f"--data {name}: no file at {path}.")
+            fail(f"--data {name}: no file at {path}.")
         local[name] = path
     names = [b.strip() for b in benchmarks.split(",") if b.strip()] if benchmarks else (list(local) or list(HUB_IDS))
     for name in names:
         if name not in local and name not in HUB_IDS:
-            raise SystemExit(f"Unknown benchmark '{name}': choose from {', '.join(HUB_IDS)} "
+            fail(f"Unknown benchmark '{name}': choose from {', '.join(HUB_IDS)} "
                              f"or give a file with --data {name}=PATH.")
     return {name: local.get(name, HUB_IDS.get(name)) for name in names}
 
@@ -298,59 +281,17 @@ def use_cache_if_hub_silent(timeout_s=3):
         if not isinstance(e, urllib.error.HTTPError):
             os.environ["HF_HUB_OFFLINE"] = "1"
 
-def read_rows(source):
-    """Rows of a local file or a hub data set, each with its place ('line 7', 'row 7') for error messages."""
-    path, rows = Path(source), None
-    suffix = path.suffix.lower()
-    if not path.is_file():
-        use_cache_if_hub_silent()
-        from datasets import load_dataset
-        try:
-            splits = load_dataset(source)  # the three hub sets hold a single split
-        except (ConnectionError, FileNotFoundError):
-            raise SystemExit(f"{source} is not in the local cache and the Hugging Face Hub cannot be reached: "
-                             "evaluate offline from a local copy with --data NAME=PATH.") from None
-        rows = [dict(r) for r in (splits["test"] if "test" in splits else splits[next(iter(splits))])]
-    elif suffix == ".parquet":
-        import pyarrow.parquet as pq
-        rows = pq.read_table(path).to_pylist()
-    elif suffix not in (".json", ".jsonl"):
-        raise SystemExit(f"{source} is not .json, .jsonl or .parquet.")
-    elif suffix == ".json":
-        try:
-            rows = json.loads(path.read_text())
-        except json.JSONDecodeError:
-            pass  # many .json files are JSON lines: read it as such below
-        if rows is not None and (not isinstance(rows, list) or not all(isinstance(r, dict) for r in rows)):
-            raise SystemExit(f"{source} holds JSON that is not a list of objects (one per problem).")
-    if rows is not None:
-        return [(f"row {i}", r) for i, r in enumerate(rows)]
-    numbered = []
-    for number, line in enumerate(path.read_text().splitlines(), start=1):
-        if not line.strip():
-            continue
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise SystemExit(f"{source}, line {number}: not valid JSON ({e.msg}).") from None
-        if not isinstance(row, dict):
-            raise SystemExit(f"{source}, line {number}: not a JSON object.")
-        numbered.append((f"line {number}", row))
-    return numbered
-
 def load_problems(name, source, problem_column, answer_column):
-    """[{problem, answer, hash}], the answer as text; no rows, a missing column or a null is refused."""
-    rows = read_rows(source)
+    """[{problem, answer, hash}], the answer as text; no rows, a missing column or a missing answer is refused."""
+    if not Path(source).is_file():
+        use_cache_if_hub_silent()
+    rows = opsd.read_table(source, "train", source, prog="eval.py", offline="a local copy with --data NAME=PATH")
     if not rows:
-        raise SystemExit(f"{name}: {source} holds no problems.")
+        fail(f"{name}: {source} holds no problems.")
+    opsd.check_columns(rows, source, "--problem-column", (str, int, float), problem_column, prog="eval.py")
+    opsd.check_columns(rows, source, "--answer-column", (str, int, float), answer_column, prog="eval.py")
     problems = []
-    for where, row in rows:
-        for column in (problem_column, answer_column):
-            if column not in row:
-                raise SystemExit(f"{name}: {source} has no column '{column}' ({where} has {', '.join(row)}); "
-                                 "name the right one with --problem-column / --answer-column.")
-            if row[column] is None:
-                raise SystemExit(f"{name}: {source}, {where}: '{column}' is null.")
+    for row in rows:
         problem, answer = str(row[problem_column]), str(row[answer_column])
         digest = hashlib.sha256(json.dumps([problem, answer]).encode()).hexdigest()[:16]
         problems.append({"problem": problem, "answer": answer, "hash": digest})
@@ -372,9 +313,8 @@ def read_samples(path):
             broken += 1
     if broken:
         print(f"dropping {broken} unreadable line(s) of {path}")
-        tmp = path.with_suffix(".tmp")  # written whole, then renamed: a kill now cannot lose the good lines
-        tmp.write_text("".join(json.dumps(s) + "\n" for s in done.values()))
-        os.replace(tmp, path)
+        # written whole, then renamed: a kill now cannot lose the good lines
+        opsd.write_atomically(path, "".join(json.dumps(s) + "\n" for s in done.values()))
     return done
 
 def check_resume(out_dir, config, problems, done):
@@ -386,64 +326,30 @@ def check_resume(out_dir, config, problems, done):
     changed = [k for k in SAMPLING_KEYS if old.get(k) != config[k]]
     changed += [what for k, what in CONTENT_KEYS.items() if None not in (old.get(k), config[k]) and old[k] != config[k]]
     if changed:
-        raise SystemExit(f"{out_dir} holds samples drawn with other {', '.join(changed)}: use a new --output-dir.")
+        fail(f"{out_dir} holds samples drawn with other {', '.join(changed)}: use a new --output-dir.")
     for b, i, _ in done:
         if b in problems and (i >= len(problems[b]) or done[b, i, _].get("hash") != problems[b][i]["hash"]):
-            raise SystemExit(f"{out_dir} holds samples of another {b} (problem {i} differs from the one "
+            fail(f"{out_dir} holds samples of another {b} (problem {i} differs from the one "
                              "read now): use a new --output-dir.")
 
 def check_adapter(adapter, model, allow_other_base):
     path = Path(adapter)
     if not (path / "adapter_config.json").is_file():
-        raise SystemExit(f"No adapter_config.json in {adapter}: pass a directory written by opsd.py.")
+        fail(f"No adapter_config.json in {adapter}: pass a directory written by opsd.py.")
     if not any((path / name).is_file() for name in ("adapter_model.safetensors", "adapter_model.bin")):
-        raise SystemExit(f"{adapter} holds an adapter config but no adapter_model.safetensors: "
+        fail(f"{adapter} holds an adapter config but no adapter_model.safetensors: "
                          "pass a directory written by opsd.py.")
     config = json.loads((path / "adapter_config.json").read_text())
     rank, base = config.get("r"), config.get("base_model_name_or_path")
     if type(rank) is not int or not 1 <= rank <= max(VLLM_LORA_RANKS):
-        raise SystemExit(f"{adapter} has LoRA rank {rank}, and vLLM serves ranks 1 to {max(VLLM_LORA_RANKS)}: "
+        fail(f"{adapter} has LoRA rank {rank}, and vLLM serves ranks 1 to {max(VLLM_LORA_RANKS)}: "
                          "train with a smaller --lora-r.")
     base_dir = model_dir(base) if base else None
     if allow_other_base or base in (None, model) or (base_dir is not None and base_dir == model_dir(model)):
         return
     if model_fingerprint(base) is None or model_fingerprint(base) != model_fingerprint(model):
-        raise SystemExit(f"{adapter} was trained on {base}, which is neither the directory nor the weights of "
+        fail(f"{adapter} was trained on {base}, which is neither the directory nor the weights of "
                          f"--model {model}: pass --model {base}, or --allow-other-base to evaluate it on this model.")
 
-def model_dir(model):
-    """A local model's directory, or a hub model's cached snapshot, found without network; None if neither."""
-    if Path(model).expanduser().is_dir():
-        return Path(model).expanduser().resolve()
-    from huggingface_hub import try_to_load_from_cache
-    try:
-        config = try_to_load_from_cache(model, "config.json")
-    except ValueError:  # not a hub id either
-        return None
-    return Path(config).parent.resolve() if isinstance(config, str) else None
-
-def model_fingerprint(model, chunk=64 << 10):
-    """opsd.py's: sha256 of config.json and of each weight file's name, size and 16 evenly spaced samples; else None."""
-    directory = model_dir(model)
-    weights = (sorted(directory.glob("*.safetensors")) or sorted(directory.glob("*.bin"))) if directory else []
-    if not weights or not (directory / "config.json").is_file():
-        return None
-    h = hashlib.sha256((directory / "config.json").read_bytes())
-    for file in weights:
-        size = file.stat().st_size
-        h.update(f"{file.name}\0{size}\0".encode())
-        read = chunk if size >= 16 * chunk else size
-        with file.open("rb") as f:
-            for k in range(16 if read < size else 1):
-                f.seek(k * (size - read) // 15)
-                h.update(f.read(read))
-    return h.hexdigest()
-
 if __name__ == "__main__":
-    try:
-        main()
-    except SystemExit as e:  # a refusal's sentence, in argparse's form and with its exit code
-        if not isinstance(e.code, str):
-            raise
-        print(f"eval.py: error: {e.code}", file=sys.stderr)
-        raise SystemExit(2) from None
+    main()

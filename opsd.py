@@ -15,16 +15,14 @@ whose prompt also holds a reference solution. Each optimizer step:
   4. the merged LoRA weights are pushed into the running vLLM engine in place, and read back.
 
 Departures from the released recipe (README.md's section of that name says what each fixes):
-  1. Each row is [prompt | answer | pads], positions from the attention mask: each answer token at the position
-     vLLM sampled it at, and no attention row without a key.
-  2. Prompts reach vLLM as token ids, never decoded and re-encoded.
-  3. LoRA merged out of place for vLLM: the base weights (the fixed teacher) never change.
-  4. Softmax and KL in float32, in chunks from hidden states, normalised by the step's token count over
-     micro-batches and ranks.
-  5. A cosine LR schedule; `--clip token` beside the released recipe's `--clip entry` (the default).
+  1. Rows are [prompt | answer | pads], positions from the attention mask: each answer token at the position vLLM
+     sampled it at, and no attention row without a key.  2. Prompts reach vLLM as token ids, never re-encoded.
+  3. LoRA merged out of place for vLLM: the base weights (the fixed teacher) never change.  4. Softmax and KL in
+     float32, chunked, normalised by the step's token count over micro-batches and ranks.  5. A cosine LR schedule;
+     `--clip token` beside the released recipe's `--clip entry` (the default).
 
-Part 1 is the method, in the order a step runs; part 2 is what keeps a run honest (README.md, "Reading
-opsd.py", maps both). Every name is resolved when it is called, so the order is free.
+It reads top to bottom: helpers; part 1, the method, from prompts to one optimizer step; part 2, the run: main()
+and what it calls, in that order; part 3, the guards main() reaches through a few named checks.
 """
 
 import argparse
@@ -40,9 +38,9 @@ import sys
 import time
 from array import array
 from collections import deque
-from contextlib import contextmanager, nullcontext, redirect_stderr
-from io import StringIO
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -51,83 +49,43 @@ import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 
 # =============================================================================
-# PART 1: THE METHOD
+# HELPERS EVERY PART USES
 # =============================================================================
 
 # -----------------------------------------------------------------------------
-# Config: every hyper-parameter of the run; the defaults are the released recipe's (Qwen3-1.7B)
+# Ranks and errors: torchrun sets RANK / WORLD_SIZE (`python opsd.py` is one); one sentence per error, said once
 
-CLIP_MODES = ("entry", "token", "none")
-LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+RANK, WORLD_SIZE = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
 
-def parse_args(argv=None):
-    p = argparse.ArgumentParser(
-        description="On-Policy Self-Distillation with a hand-rolled LoRA and vLLM rollouts. The dataset needs a "
-                    "problem column and a privileged-context column (see --problem-column, --context-column).",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    g = p.add_argument_group("model")
-    g.add_argument("--model", default="Qwen/Qwen3-1.7B", help="hub id or local path (student and teacher)")
-    g.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"], help="weights and activations")
-    g.add_argument("--lora-r", type=int, default=64, help="LoRA rank r")
-    g.add_argument("--lora-alpha", type=float, default=128, help="LoRA alpha; the update is scaled by alpha / r")
-    g.add_argument("--teacher", default="base", choices=["base", "current", "ema"],
-                   help="base: LoRA switched off (fixed); current: the student; ema: an EMA of the student's LoRA")
-    g.add_argument("--ema-decay", type=float, default=0.999, help="decay D of --teacher ema")
-    g.add_argument("--gradient-checkpointing", action=argparse.BooleanOptionalAction, default=True,
-                   help="recompute activations in backward to fit long answers in memory")
-    g = p.add_argument_group("data and prompts")
-    g.add_argument("--dataset", default="siyanzhao/Openthoughts_math_30k_opsd",
-                   help="hub dataset id, or a local .json / .jsonl / .parquet file")
-    g.add_argument("--dataset-split", default="train", help="split of a hub dataset")
-    g.add_argument("--problem-column", default="problem", help="column holding the problem")
-    g.add_argument("--context-column", default="solution",
-                   help="column holding the teacher's privileged context; a,b joins two columns with a blank line")
-    g.add_argument("--data-select", default="all", choices=["all", "hard"],
-                   help="hard: drop source 'math', keep generated_token_count >= its median")
-    g.add_argument("--student-prompt", default="recipe", choices=["recipe", "eval"],
-                   help="recipe: 'Problem: ' + problem + instruction; eval: eval.py's prompt, the format it scores")
-    g.add_argument("--student-thinking", action=argparse.BooleanOptionalAction, default=False,
-                   help="enable_thinking in the student's chat template")
-    g.add_argument("--teacher-thinking", action=argparse.BooleanOptionalAction, default=True,
-                   help="enable_thinking in the teacher's chat template")
-    g.add_argument("--max-prompt-length", type=int, default=2048, help="rows with a longer prompt are dropped")
-    g = p.add_argument_group("sampling (vLLM)")
-    g.add_argument("--max-new-tokens", type=int, default=1024, help="answer length limit")
-    g.add_argument("--temperature", type=float, default=1.1, help="sampling temperature")
-    g.add_argument("--top-p", type=float, default=0.95, help="nucleus sampling threshold")
-    g.add_argument("--top-k", type=int, default=20, help="top-k sampling (-1: off)")
-    g.add_argument("--vllm-memory", type=float, default=0.3, help="share of each GPU's memory for vLLM (GPU only)")
-    g = p.add_argument_group("loss")
-    g.add_argument("--clip", default="entry", choices=CLIP_MODES,
-                   help="entry: min(d_v, tau) per vocabulary entry (released); token: min(k, tau) per position")
-    g.add_argument("--tau", type=float, default=0.05, help="clip threshold (1e-6 in the non-thinking recipe)")
-    g.add_argument("--beta", type=float, default=0.0, help="0: forward KL(T||S); 1: reverse KL; between: JSD")
-    g.add_argument("--loss-temperature", type=float, default=1.1, help="temperature of both logits in the loss")
-    g.add_argument("--skip-first-tokens", type=int, default=0, help="answer positions left out of the loss")
-    g.add_argument("--loss-chunk-size", type=int, default=256, help="positions whose logits exist at once")
-    g = p.add_argument_group("optimization")
-    g.add_argument("--max-steps", type=int, default=100, help="optimizer steps")
-    g.add_argument("--prompts-per-step", type=int, default=32, help="prompts per optimizer step, all ranks")
-    g.add_argument("--micro-batch-size", type=int, default=4, help="prompts per forward/backward on one rank")
-    g.add_argument("--lr", type=float, default=5e-6, help="peak learning rate (AdamW)")
-    g.add_argument("--min-lr", type=float, default=0.0, help="learning rate the cosine reaches at --max-steps")
-    g.add_argument("--warmup-steps", type=int, default=0, help="linear warmup steps before the cosine decay")
-    g.add_argument("--max-grad-norm", type=float, default=0.1, help="gradient-norm clip")
-    g = p.add_argument_group("run")
-    g.add_argument("--output-dir", default="runs/opsd", help="checkpoints, final adapter, metrics, rollouts")
-    g.add_argument("--seed", type=int, default=42, help="LoRA init, data order and every sampling seed")
-    g.add_argument("--save-every", type=int, default=25, help="checkpoint every N steps (0: never)")
-    g.add_argument("--resume", action="store_true", help="continue the run in --output-dir from its last checkpoint")
-    g.add_argument("--overwrite", action="store_true", help="delete the run --output-dir holds and start afresh")
-    g.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"], help="auto: cuda when available")
-    g.add_argument("--kl-window", type=int, default=20_000, help="completion tokens the KL diagnostic averages")
-    g.add_argument("--log-rollouts-every", type=int, default=10, help="rollouts.jsonl every N steps (0: never)")
-    g.add_argument("--wandb-project", default=None, help="also log to Weights & Biases (needs wandb)")
-    with redirect_stderr(StringIO()) if RANK != 0 else nullcontext():  # argparse's errors: rank 0 says them
-        args = p.parse_args(argv)
-    check_flags(args)
-    return args
+def print0(*a, **kw):
+    if RANK == 0:
+        print(*a, **kw, flush=True)
 
+def fail(message, speaker=0, prog="opsd.py"):
+    """Stop on a user error with one sentence: every rank finds it, only rank `speaker` says it."""
+    if RANK == speaker:
+        print(f"{prog}: error: {message}", file=sys.stderr, flush=True)
+    raise SystemExit(2)
+
+def all_reduce(tensor, op=None):
+    """Sum (or `op`) over ranks, in place; a no-op in a world of one."""
+    if dist.is_initialized():
+        dist.all_reduce(tensor, op=op or dist.ReduceOp.SUM)
+    return tensor
+
+def fail_if_any_rank(problem, device):
+    """Stop every rank when one rank found a problem (None: none); the lowest such rank says it."""
+    first = int(all_reduce(torch.tensor(RANK if problem else WORLD_SIZE, device=device), dist.ReduceOp.MIN))
+    if first < WORLD_SIZE:
+        fail(problem, speaker=first)
+
+def barrier():
+    if dist.is_initialized():
+        dist.barrier()
+
+# =============================================================================
+# PART 1: THE METHOD
+# =============================================================================
 
 # -----------------------------------------------------------------------------
 # Prompts: the released recipe's strings, through the chat template, rendered once to token ids
@@ -150,13 +108,8 @@ def student_message(problem, prompt="recipe"):
     return eval_message(problem) if prompt == "eval" else f"Problem: {problem}\n\n{INSTRUCTION}"
 
 def teacher_message(problem, context):
-    return (
-        f"Problem: {problem}\n\n"
-        "Here is a reference solution to this problem:\n"
-        f"=== Reference Solution Begin ===\n{context}\n=== Reference Solution End ===\n"
-        f"{TRANSITION}\n"
-        f"{INSTRUCTION}"
-    )
+    return (f"Problem: {problem}\n\nHere is a reference solution to this problem:\n"
+            f"=== Reference Solution Begin ===\n{context}\n=== Reference Solution End ===\n{TRANSITION}\n{INSTRUCTION}")
 
 def render(tokenizer, message, thinking):
     """Token ids of a one-turn chat ending in the assistant's generation prompt (no system prompt)."""
@@ -188,9 +141,10 @@ def step_indices(step, prompts_per_step, num_prompts, seed):
         indices.append(perms[epoch][i])
     return indices
 
-
 # -----------------------------------------------------------------------------
 # LoRA: y = W x + (alpha / r) B A x on every attention and MLP projection, hand-rolled
+
+LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 class LoRALinear(nn.Module):
     """A frozen linear layer plus a trainable low-rank update. `weight` and `bias` are the wrapped layer's own
@@ -246,7 +200,6 @@ def merged_weights(model):
     for name, m in lora_layers(model).items():
         yield f"{name}.weight", m.merged_weight()
 
-
 # -----------------------------------------------------------------------------
 # Batches: [prompt | completion | pads] per row, the prompt flush against its completion
 
@@ -270,30 +223,29 @@ def build_batch(prompts, completions, pad_id, device):
     inputs = dict(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids)
     return {k: v.to(device) for k, v in inputs.items()}, completion_mask.to(device)
 
-
 # -----------------------------------------------------------------------------
 # Rollout: one vLLM engine per rank, sampling from token ids; weights pushed in place and read back
 
+# vLLM on the CPU (eval.py's too): no CUDA graphs to capture, and whole prompts: one prefilled in chunks samples (and
+# discards) a token per chunk, then rewinds its seeded generator, which a CPU torch.Generator cannot do.
+CPU_ENGINE = {"enforce_eager": True, "enable_chunked_prefill": False}
+
+def engine_environment(cpu):
+    """vLLM's logs: errors only (its start-up warnings are CPU tuning advice); on the CPU a 1 GiB KV cache."""
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
+    if cpu:
+        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+
 def start_engine(args, rank, world_size, device):
     from vllm import LLM
-    # On the CPU, prompts are prefilled whole: a prompt prefilled in chunks samples (and discards) a token per chunk,
-    # then rewinds its seeded generator, which a CPU torch.Generator cannot do ("CPU Generator does not use offset").
-    cpu = device.type == "cpu"
-    extra = {"enable_chunked_prefill": False} if cpu else {"gpu_memory_utilization": args.vllm_memory}
+    extra = CPU_ENGINE if device.type == "cpu" else {"gpu_memory_utilization": args.vllm_memory}
     max_model_len = args.max_prompt_length + args.max_new_tokens
-    return LLM(
-        model=args.model,
-        dtype=args.dtype,
-        max_model_len=max_model_len,
-        enforce_eager=cpu,
-        seed=args.seed + rank,  # every request carries its own seed; this only keeps unseeded ones apart
-        max_num_seqs=max(1, args.prompts_per_step // world_size),  # this rank's prompts all run at once
-        max_num_batched_tokens=max(max_model_len, 8192),  # tokens per engine step: one whole sequence at least
-        # under torchrun every rank runs its own tensor-parallel-1 engine inside its own process
-        distributed_executor_backend="external_launcher" if world_size > 1 else None,
-        tensor_parallel_size=1,
-        **extra,
-    )
+    return LLM(model=args.model, dtype=args.dtype, max_model_len=max_model_len,
+               seed=args.seed + rank,  # every request carries its own seed; this only keeps unseeded ones apart
+               max_num_seqs=max(1, args.prompts_per_step // world_size),  # this rank's prompts all run at once
+               max_num_batched_tokens=max(max_model_len, 8192),  # tokens per engine step: one whole sequence at least
+               # under torchrun every rank runs its own tensor-parallel-1 engine inside its own process
+               distributed_executor_backend="external_launcher" if world_size > 1 else None, **extra)
 
 def sample(llm, prompts, seeds, args):
     """Completions (token ids, with the final EOS when one was sampled) and vLLM's raw log-prob of each token
@@ -304,11 +256,8 @@ def sample(llm, prompts, seeds, args):
     params = [SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=seed,
                              max_tokens=args.max_new_tokens, logprobs=0) for seed in seeds]
     outputs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
-    completions, logprobs = [], []
-    for out in outputs:
-        tokens = list(out.outputs[0].token_ids)
-        completions.append(tokens)
-        logprobs.append([lp[token].logprob for lp, token in zip(out.outputs[0].logprobs, tokens)])
+    completions = [list(out.outputs[0].token_ids) for out in outputs]
+    logprobs = [[lp[t].logprob for lp, t in zip(out.outputs[0].logprobs, c)] for out, c in zip(outputs, completions)]
     return completions, logprobs
 
 def fingerprint(weight):
@@ -336,26 +285,26 @@ def engine_fingerprints(model):
 
 def push_weights(llm, model):
     """Update inference engine weights: merged LoRA weights into the running engine, read back and checked, then
-    drop the prefix cache (its KV entries were computed with the old weights). Returns the seconds it took."""
-    start = time.perf_counter()
+    drop the prefix cache (its KV entries were computed with the old weights). Returns None, or what went wrong."""
     # vLLM stacks q/k/v and gate/up itself; all seven projections are sent, so every fused group is complete
     llm.collective_rpc("reload_weights", kwargs=dict(weights_iterator=merged_weights(model), is_checkpoint_format=True))
     # the verdict is the engine's weights, never vLLM's log: each LoRA layer is merged again and compared
     engine = llm.apply_model(engine_fingerprints)[0]
     for name, m in lora_layers(model).items():
         if engine.get(f"{name}.weight") != fingerprint(m.merged_weight()):
-            raise RuntimeError(f"the weight push failed: vLLM's {name} does not hold the merged weights sent to it.")
+            return f"the weight push failed: vLLM's {name} does not hold the merged weights sent to it."
     if not llm.reset_prefix_cache():
-        raise RuntimeError("vLLM refused to reset its prefix cache after a weight push: cached KV would be stale.")
-    return time.perf_counter() - start
+        return "vLLM refused to reset its prefix cache after a weight push: cached KV would be stale."
+    return None
 
 def stop_engine(llm):
     """Shut the in-process engine down; vLLM's teardown also destroys the default process group."""
     llm.llm_engine.engine_core.shutdown()
 
-
 # -----------------------------------------------------------------------------
 # The loss: a per-token divergence between teacher and student next-token distributions
+
+CLIP_MODES = ("entry", "token", "none")
 
 def token_divergence(student_logits, teacher_logits, *, beta=0.0, temperature=1.0, clip="entry", tau=0.05):
     """Per-position loss contribution D(p_T || p_S) after clipping, in float32. Shapes (..., V) -> (...)."""
@@ -386,14 +335,67 @@ def token_divergence(student_logits, teacher_logits, *, beta=0.0, temperature=1.
         k = k * (tau / k.clamp(min=tau)).detach()
     return k
 
+# -----------------------------------------------------------------------------
+# The KL diagnostic: how far the teacher is from the student, at the scale the clip sees
+
+class PositionStats(NamedTuple):
+    """Per answer position, whatever the loss's beta and clip (both at the loss temperature), (N,) each."""
+    kl: torch.Tensor  # unclipped KL(p_T || p_S)
+    clipped_mass: torch.Tensor  # teacher mass on entries the entry clip clamps: p_T(v) (log p_T(v) - log p_S(v)) > tau
+    logprob: torch.Tensor  # the student's raw log-prob of the sampled token (temperature 1, vLLM's convention)
+
+    @staticmethod
+    def cat(parts, device):
+        empty = [torch.zeros(0, device=device)] * 3
+        return PositionStats(*(torch.cat(ts) for ts in zip(*parts))) if parts else PositionStats(*empty)
+
+@torch.no_grad()
+def divergence_stats(student_logits, teacher_logits, targets, *, temperature, tau):
+    """PositionStats of C positions from their (C, V) logits and the sampled tokens (C,)."""
+    raw = student_logits.float()
+    logprob = raw.gather(-1, targets[:, None])[:, 0] - raw.logsumexp(-1)  # (C,)
+    log_s = F.log_softmax(raw / temperature, dim=-1)
+    log_t = F.log_softmax(teacher_logits.float() / temperature, dim=-1)
+    p_t = log_t.exp()
+    d = log_t.sub_(log_s).mul_(p_t)  # (C, V) p_T(v) (log p_T(v) - log p_S(v)), in place: this runs per chunk
+    kl, clipped_mass = d.sum(-1), p_t.mul_(d > tau).sum(-1)
+    return PositionStats(kl, clipped_mass, logprob)
+
+def diagnostic_sums(stats, sampler_logprobs, tau):
+    """This step's sums over all ranks, from this rank's PositionStats of its completions' positions, in order, and
+    vLLM's log-probs of the same tokens (one list per completion). gap = |vLLM's - trainer's log-prob|."""
+    kl, device = stats.kl, stats.kl.device
+    gap = (stats.logprob - torch.tensor(sum(sampler_logprobs, []), device=device)).abs()  # (N,)
+    starts = [sum(map(len, sampler_logprobs[:i])) for i, lp in enumerate(sampler_logprobs) if lp]  # first positions
+    local = {"tokens": len(kl), "kl": kl.sum(), "above_tau": (kl > tau).sum(), "clipped_mass": stats.clipped_mass.sum(),
+             "first_kl": kl[starts].sum(), "first_tokens": len(starts), "gap": gap.sum()}
+    sums = dict(zip(local, all_reduce(torch.tensor([float(v) for v in local.values()], device=device)).tolist()))
+    gap_max = gap.max() if len(gap) else kl.new_zeros(())
+    sums["gap_max"] = float(all_reduce(gap_max, dist.ReduceOp.MAX if dist.is_initialized() else None))
+    return sums
+
+def kl_window_means(window, kl_window):
+    """Means over the most recent steps (window: per-step sums, newest last) that cover at least
+    kl_window completion tokens; older steps are dropped from the window in place."""
+    while len(window) > 1 and sum(w["tokens"] for w in list(window)[1:]) >= kl_window:
+        window.popleft()
+    w = {k: sum(step_sums[k] for step_sums in window) for k in ("tokens", "kl", "above_tau", "clipped_mass",
+                                                                 "first_kl", "first_tokens")}
+    return {"kl_mean": w["kl"] / max(w["tokens"], 1), "kl_frac_above_tau": w["above_tau"] / max(w["tokens"], 1),
+            "kl_clipped_teacher_mass": w["clipped_mass"] / max(w["tokens"], 1),
+            "kl_first_token": w["first_kl"] / max(w["first_tokens"], 1), "kl_window_tokens": int(w["tokens"])}
+
+# -----------------------------------------------------------------------------
+# The loss over a micro-batch: logits from hidden states, chunk by chunk, normalised by the step's tokens
+
 def final_hidden(model, inputs):
     """(B, T, H) hidden states after the final norm, before the lm_head: the loss makes logits in chunks."""
     return model.base_model(**inputs, use_cache=False).last_hidden_state
 
 def opsd_loss(student_hidden, student_mask, teacher_hidden, teacher_mask, lm_head_weight, num_tokens,
               targets=None, *, loss_positions=None, beta=0.0, temperature=1.0, clip="entry", tau=0.05, chunk_size=256):
-    """(loss, stats): token_divergence summed over the masked positions / num_tokens, and divergence_stats
-    (N, 3) when the sampled `targets` (N,) are given. Hidden states are (B, T, H) before the lm_head; the masks
+    """(loss, stats): token_divergence summed over the masked positions / num_tokens, and the PositionStats of
+    the N positions when the sampled `targets` (N,) are given. Hidden states are (B, T, H) before the lm_head; the masks
     select the same count of positions in the same order; `loss_positions` (N,) keeps some out of the loss.
     Logits exist for `chunk_size` positions at a time (memory chunk x V, not B x T x V). Each chunk's gradient
     w.r.t. the student hidden states is taken while its logits exist, then attached to the graph through a
@@ -426,50 +428,7 @@ def opsd_loss(student_hidden, student_mask, teacher_hidden, teacher_mask, lm_hea
         loss = loss + (surrogate - surrogate.detach())
     if targets is None:
         return loss, None
-    return loss, (torch.cat(stats) if stats else hs.new_zeros((0, 3), dtype=torch.float32))
-
-
-# -----------------------------------------------------------------------------
-# The KL diagnostic: how far the teacher is from the student, at the scale the clip sees
-
-@torch.no_grad()
-def divergence_stats(student_logits, teacher_logits, targets, *, temperature, tau):
-    """Per position, whatever the loss's beta and clip (both distributions at the loss temperature):
-    kl: unclipped KL(p_T || p_S); clipped_mass: teacher mass on entries the entry clip clamps
-    (p_T(v) (log p_T(v) - log p_S(v)) > tau); logprob: the student's raw log-prob of the sampled
-    token (temperature 1, vLLM's convention), for the sampler/trainer gap."""
-    raw = student_logits.float()
-    logprob = raw.gather(-1, targets[:, None])[:, 0] - raw.logsumexp(-1)  # (C,)
-    log_s = F.log_softmax(raw / temperature, dim=-1)
-    log_t = F.log_softmax(teacher_logits.float() / temperature, dim=-1)
-    p_t = log_t.exp()
-    d = log_t.sub_(log_s).mul_(p_t)  # (C, V) p_T(v) (log p_T(v) - log p_S(v)), in place: this runs per chunk
-    kl, clipped_mass = d.sum(-1), p_t.mul_(d > tau).sum(-1)
-    return torch.stack([kl, clipped_mass, logprob], dim=-1)  # (C, 3)
-
-def diagnostic_sums(stats, first, sampler_logprobs, tau):
-    """This step's sums over all ranks, from the per-position stats of this rank: (N, 3) for all completion
-    positions and (rows, 3) for the first position of each completion. gap = |vLLM's - trainer's log-prob|."""
-    kl = stats[:, 0]
-    gap = (stats[:, 2] - torch.tensor(sum(sampler_logprobs, []), device=stats.device)).abs()  # (N,)
-    local = {"tokens": len(kl), "kl": kl.sum(), "above_tau": (kl > tau).sum(), "clipped_mass": stats[:, 1].sum(),
-             "first_kl": first[:, 0].sum(), "first_tokens": len(first), "gap": gap.sum()}
-    sums = dict(zip(local, all_reduce(torch.tensor([float(v) for v in local.values()], device=stats.device)).tolist()))
-    gap_max = gap.max() if len(gap) else stats.new_zeros(())
-    sums["gap_max"] = float(all_reduce(gap_max, dist.ReduceOp.MAX if dist.is_initialized() else None))
-    return sums
-
-def kl_window_means(window, kl_window):
-    """Means over the most recent steps (window: per-step sums, newest last) that cover at least
-    kl_window completion tokens; older steps are dropped from the window in place."""
-    while len(window) > 1 and sum(w["tokens"] for w in list(window)[1:]) >= kl_window:
-        window.popleft()
-    w = {k: sum(step_sums[k] for step_sums in window) for k in ("tokens", "kl", "above_tau", "clipped_mass",
-                                                                 "first_kl", "first_tokens")}
-    return {"kl_mean": w["kl"] / max(w["tokens"], 1), "kl_frac_above_tau": w["above_tau"] / max(w["tokens"], 1),
-            "kl_clipped_teacher_mass": w["clipped_mass"] / max(w["tokens"], 1),
-            "kl_first_token": w["first_kl"] / max(w["first_tokens"], 1), "kl_window_tokens": int(w["tokens"])}
-
+    return loss, PositionStats.cat(stats, hs.device)
 
 # -----------------------------------------------------------------------------
 # LR schedule: linear warmup, then a cosine decay to --min-lr
@@ -482,7 +441,6 @@ def lr_at(step, *, lr, max_steps, warmup_steps=0, min_lr=0.0):
     # 2) cosine decay: min_lr + (lr - min_lr) * (1 + cos(pi * progress)) / 2, reaching min_lr at max_steps
     progress = (step - warmup_steps) / max(1, max_steps - warmup_steps)
     return min_lr + 0.5 * (lr - min_lr) * (1.0 + math.cos(math.pi * progress))
-
 
 # -----------------------------------------------------------------------------
 # The teacher's weights: the base model (LoRA off), the student's own, or an EMA of the student's LoRA
@@ -530,7 +488,6 @@ def ema_update(ema, lora_params, decay):
         e.mul_(decay).add_(p.detach(), alpha=1.0 - decay)
     return ema
 
-
 # -----------------------------------------------------------------------------
 # One optimizer step: forward and backward over micro-batches, the gradient summed over ranks
 
@@ -538,12 +495,12 @@ def backward_step(model, lora_params, student_prompts, teacher_prompts, completi
                   teacher, ema=None, skip_first_tokens=0, **loss_kw):
     """Each micro-batch's loss is divided by the step's token count over all micro-batches and ranks (without the
     first `skip_first_tokens` of each answer), so the summed gradient is one big batch's. Returns the step's loss
-    and this rank's diagnostics for all completion positions (N, 3) and the first of each completion (rows, 3)."""
+    and the PositionStats of this rank's N completion positions, completion after completion."""
     device = lora_params[0].device
     lm_head = model.get_output_embeddings().weight  # (V, H), frozen
     loss_tokens = sum(max(0, len(c) - skip_first_tokens) for c in completions)
     num_tokens = int(all_reduce(torch.tensor(loss_tokens, device=device)))
-    loss_sum, stats, first = 0.0, [], []
+    loss_sum, stats = 0.0, []
     for mb in range(0, len(completions), micro_batch_size):
         rows = slice(mb, mb + micro_batch_size)
         student_inputs, student_mask = build_batch(student_prompts[rows], completions[rows], pad_id, device)
@@ -561,14 +518,102 @@ def backward_step(model, lora_params, student_prompts, teacher_prompts, completi
         loss.backward()
         loss_sum += loss.item()
         stats.append(mb_stats)
-        first.append(mb_stats[torch.tensor([0] + lengths[:-1]).cumsum(0)])  # first position of each row
     # one collective for all LoRA gradients; a sum, not DDP's mean: each loss is already divided by the global count
     grads = all_reduce(torch.cat([p.grad.flatten() for p in lora_params]))
     for p, g in zip(lora_params, grads.split([p.numel() for p in lora_params])):
         p.grad.copy_(g.view_as(p))
     loss_value = float(all_reduce(torch.tensor(loss_sum, device=device)))
-    return loss_value, torch.cat(stats), torch.cat(first)
+    return loss_value, PositionStats.cat(stats, device)
 
+# =============================================================================
+# PART 2: THE RUN
+# =============================================================================
+
+# -----------------------------------------------------------------------------
+# Config: every hyper-parameter, each range with its flag; the defaults are the released recipe's (Qwen3-1.7B)
+
+def checked(kind, ok, rule):
+    """An argparse type: the flag's text read as `kind`, refused with "must be <rule>" unless ok(value)."""
+    def parse(text):
+        value = kind(text)
+        if not ok(value):
+            raise argparse.ArgumentTypeError(f"must be {rule}, got {text}")
+        return value
+    parse.__name__ = kind.__name__  # argparse names the type in its own "invalid int value" sentence
+    return parse
+
+AT_LEAST_1, AT_LEAST_0 = checked(int, lambda v: v >= 1, "at least 1"), checked(int, lambda v: v >= 0, "0 or more")
+POSITIVE, NON_NEGATIVE = checked(float, lambda v: v > 0, "positive"), checked(float, lambda v: v >= 0, "0 or more")
+SHARE = checked(float, lambda v: 0 < v <= 1, "in (0, 1]")
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(
+        prog="opsd.py", formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        description="On-Policy Self-Distillation with a hand-rolled LoRA and vLLM rollouts. The dataset needs a "
+                    "problem column and a privileged-context column (see --problem-column, --context-column).")
+    g = p.add_argument_group("model")
+    g.add_argument("--model", default="Qwen/Qwen3-1.7B", help="hub id or local path (student and teacher)")
+    g.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"], help="weights and activations")
+    g.add_argument("--lora-r", type=AT_LEAST_1, default=64, help="LoRA rank r")
+    g.add_argument("--lora-alpha", type=POSITIVE, default=128, help="LoRA alpha; the update is scaled by alpha / r")
+    g.add_argument("--teacher", default="base", choices=["base", "current", "ema"],
+                   help="base: LoRA switched off (fixed); current: the student; ema: an EMA of the student's LoRA")
+    g.add_argument("--ema-decay", type=checked(float, lambda v: 0 < v < 1, "in (0, 1)"), help="ema's decay: 0.999")
+    g.add_argument("--gradient-checkpointing", action=argparse.BooleanOptionalAction, default=True,
+                   help="recompute activations in backward to fit long answers in memory")
+    g = p.add_argument_group("data and prompts")
+    g.add_argument("--dataset", default="siyanzhao/Openthoughts_math_30k_opsd",
+                   help="hub dataset id, or a local .json / .jsonl / .parquet file")
+    g.add_argument("--dataset-split", default="train", help="split of a hub dataset")
+    g.add_argument("--problem-column", default="problem", help="column holding the problem")
+    g.add_argument("--context-column", default="solution",
+                   help="column holding the teacher's privileged context; a,b joins two columns with a blank line")
+    g.add_argument("--data-select", default="all", choices=["all", "hard"], help="hard: the researcher's selection")
+    g.add_argument("--student-prompt", default="recipe", choices=["recipe", "eval"],
+                   help="recipe: 'Problem: ' + problem + instruction; eval: eval.py's prompt, the format it scores")
+    g.add_argument("--student-thinking", action=argparse.BooleanOptionalAction, default=False, help="enable_thinking")
+    g.add_argument("--teacher-thinking", action=argparse.BooleanOptionalAction, default=True, help="enable_thinking")
+    g.add_argument("--max-prompt-length", type=AT_LEAST_1, default=2048, help="rows with a longer prompt are dropped")
+    g = p.add_argument_group("sampling (vLLM)")
+    g.add_argument("--max-new-tokens", type=AT_LEAST_1, default=1024, help="answer length limit")
+    g.add_argument("--temperature", type=POSITIVE, default=1.1, help="sampling temperature")
+    g.add_argument("--top-p", type=SHARE, default=0.95, help="nucleus sampling threshold")
+    g.add_argument("--top-k", type=checked(int, lambda v: v == -1 or v >= 1, "-1 (off) or at least 1"), default=20,
+                   help="top-k sampling (-1: off)")
+    g.add_argument("--vllm-memory", type=SHARE, default=0.3, help="share of each GPU's memory for vLLM (GPU only)")
+    g = p.add_argument_group("loss")
+    g.add_argument("--clip", default="entry", choices=CLIP_MODES,
+                   help="entry: min(d_v, tau) per vocabulary entry (released); token: min(k, tau) per position")
+    g.add_argument("--tau", type=POSITIVE, default=0.05, help="clip threshold (1e-6 in the non-thinking recipe)")
+    g.add_argument("--beta", type=checked(float, lambda v: 0 <= v <= 1, "in [0, 1]"), default=0.0,
+                   help="0: forward KL(T||S); 1: reverse KL; between: JSD")
+    g.add_argument("--loss-temperature", type=POSITIVE, default=1.1, help="temperature of both logits in the loss")
+    g.add_argument("--skip-first-tokens", type=AT_LEAST_0, default=0, help="answer positions left out of the loss")
+    g.add_argument("--loss-chunk-size", type=AT_LEAST_1, default=256, help="positions whose logits exist at once")
+    g = p.add_argument_group("optimization")
+    g.add_argument("--max-steps", type=AT_LEAST_1, default=100, help="optimizer steps")
+    g.add_argument("--prompts-per-step", type=AT_LEAST_1, default=32, help="prompts per optimizer step, all ranks")
+    g.add_argument("--micro-batch-size", type=AT_LEAST_1, default=4, help="prompts per forward/backward on one rank")
+    g.add_argument("--lr", type=POSITIVE, default=5e-6, help="peak learning rate (AdamW)")
+    g.add_argument("--min-lr", type=NON_NEGATIVE, default=0.0, help="learning rate the cosine reaches at --max-steps")
+    g.add_argument("--warmup-steps", type=AT_LEAST_0, default=0, help="linear warmup steps before the cosine decay")
+    g.add_argument("--max-grad-norm", type=POSITIVE, default=0.1, help="gradient-norm clip")
+    g = p.add_argument_group("run")
+    g.add_argument("--output-dir", default="runs/opsd", help="checkpoints, final adapter, metrics, rollouts")
+    g.add_argument("--seed", type=int, default=42, help="LoRA init, data order and every sampling seed")
+    g.add_argument("--save-every", type=AT_LEAST_0, default=25, help="checkpoint every N steps (0: never)")
+    once = g.add_mutually_exclusive_group()
+    once.add_argument("--resume", action="store_true", help="continue the run in --output-dir from its last checkpoint")
+    once.add_argument("--overwrite", action="store_true", help="delete the run --output-dir holds and start afresh")
+    g.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"], help="auto: cuda when available")
+    g.add_argument("--kl-window", type=AT_LEAST_1, default=20_000, help="completion tokens the KL diagnostic averages")
+    g.add_argument("--log-rollouts-every", type=AT_LEAST_0, default=10, help="rollouts.jsonl every N steps (0: never)")
+    g.add_argument("--wandb-project", default=None, help="also log to Weights & Biases (needs wandb)")
+    p.error = fail  # argparse's refusals (a bad value, a typo) in the one-sentence form of every other, said once
+    args = p.parse_args(argv)
+    check_flags(args)
+    args.ema_decay = 0.999 if args.ema_decay is None else args.ema_decay
+    return args
 
 # -----------------------------------------------------------------------------
 # The run: generate, train, push, log, checkpoint
@@ -577,22 +622,17 @@ def main(argv=None):
     args = parse_args(argv)
     rank, world_size, device = init_distributed(args.device)
     is_main, per_rank, out_dir = rank == 0, args.prompts_per_step // world_size, Path(args.output_dir)
-    if args.prompts_per_step % (world_size * args.micro_batch_size):
-        fail(f"--prompts-per-step {args.prompts_per_step} must be divisible by ranks x --micro-batch-size "
-             f"= {world_size} x {args.micro_batch_size}.")
     with stop_quietly_on_signals(args, world_size, argv) as progress:
         # ---- every check a user can fail, before a model or vLLM loads: output directory, model config, data
-        resume_from = check_output_dir(args, rank)
+        resume_from, saved_identity = check_output_dir(args, rank)
         load_config(args)
         tokenizer, prompts = load_prompts(args)
-        if args.wandb_project and is_main:
-            import wandb  # only with the flag: not a dependency otherwise
 
         # ---- model + LoRA: A drawn on the CPU from --seed, so every rank and device starts alike (checked)
         model, lora_params = load_model(args, device)
         run_identity = run_fingerprint(args, prompts, device)  # what a resume must find unchanged
         if resume_from:
-            check_fingerprint(resume_from, run_identity)
+            check_fingerprint(saved_identity, run_identity, resume_from)
         optimizer = torch.optim.AdamW(lora_params, lr=args.lr, betas=(0.9, 0.999), weight_decay=0.0)
 
         # ---- vLLM engine (a collective step: all ranks build theirs together)
@@ -602,7 +642,7 @@ def main(argv=None):
             start_step, ema, window = restore(resume_from, model, lora_params, optimizer)
             push_checked(llm, model, out_dir)  # the fresh engine holds base weights
             print0(f"resumed from {resume_from} at step {start_step}")
-        tracker = open_run(args, start_step) if is_main else None
+        tracker = open_run(args, start_step, run_identity) if is_main else None
         loss_kw = dict(beta=args.beta, temperature=args.loss_temperature, clip=args.clip, tau=args.tau,
                        chunk_size=args.loss_chunk_size)
         pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
@@ -620,14 +660,12 @@ def main(argv=None):
             t1 = time.perf_counter()
 
             # ---- train: loss = sum over the step's completion tokens / their count over micro-batches and ranks
-            loss, stats, first = backward_step(model, lora_params, student_prompts, teacher_prompts, completions,
+            loss, stats = backward_step(model, lora_params, student_prompts, teacher_prompts, completions,
                                                pad_id=pad_id, micro_batch_size=args.micro_batch_size,
                                                teacher=args.teacher, ema=ema,
                                                skip_first_tokens=args.skip_first_tokens, **loss_kw)
             grad_norm = torch.nn.utils.clip_grad_norm_(lora_params, args.max_grad_norm).item()
-            if not (math.isfinite(loss) and math.isfinite(grad_norm)):
-                fail(f"step {step + 1}: non-finite loss ({loss}) or gradient norm ({grad_norm}); "
-                     f"stopped before the update, last checkpoint: {latest_checkpoint(out_dir) or 'none'}.")
+            check_finite(step, loss, grad_norm, out_dir)
             lr = lr_at(step, lr=args.lr, max_steps=args.max_steps, warmup_steps=args.warmup_steps, min_lr=args.min_lr)
             for group in optimizer.param_groups:
                 group["lr"] = lr
@@ -638,17 +676,17 @@ def main(argv=None):
             t2 = time.perf_counter()
 
             # ---- update inference engine weights, and read them back
-            time_push = push_checked(llm, model, out_dir)
+            push_checked(llm, model, out_dir)
             t3 = time.perf_counter()
 
             # ---- log: the KL diagnostic over the window, the gap over this step
-            sums = diagnostic_sums(stats, first, sampler_logprobs, args.tau)
+            sums = diagnostic_sums(stats, sampler_logprobs, args.tau)
             window.append({k: v for k, v in sums.items() if k not in ("gap", "gap_max")})
             record = {"step": step + 1, "loss": loss, "lr": lr, "grad_norm": grad_norm,
                       **kl_window_means(window, args.kl_window),
                       "logprob_gap_mean": sums["gap"] / max(sums["tokens"], 1), "logprob_gap_max": sums["gap_max"],
                       "completion_len_mean": sums["tokens"] / args.prompts_per_step,
-                      "time_sample": t1 - t0, "time_train": t2 - t1, "time_push": time_push,
+                      "time_sample": t1 - t0, "time_train": t2 - t1, "time_push": t3 - t2,
                       "tokens_per_second": sums["tokens"] / (t3 - t0)}
             if is_main:
                 every = args.log_rollouts_every
@@ -661,8 +699,7 @@ def main(argv=None):
             if args.save_every and (step + 1) % args.save_every == 0 and step + 1 < args.max_steps:
                 if is_main:
                     save_run_state(out_dir, model, lora_params, ema, args, state={
-                        "step": step + 1, "optimizer": optimizer.state_dict(), "kl_window": list(window),
-                        "fingerprint": run_identity})
+                        "step": step + 1, "optimizer": optimizer.state_dict(), "kl_window": list(window)})
                 barrier()
 
         # ---- teardown: the final adapter (and the EMA teacher's), in PEFT's layout; then the engine
@@ -676,33 +713,11 @@ def main(argv=None):
     if dist.is_initialized():
         dist.destroy_process_group()
 
-
-# =============================================================================
-# PART 2: WHAT KEEPS A RUN HONEST
-# =============================================================================
-
 # -----------------------------------------------------------------------------
-# Errors and ranks: one sentence per error, said once; torchrun sets RANK / WORLD_SIZE, `python opsd.py` is one
-
-RANK, WORLD_SIZE = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
-
-def print0(*a, **kw):
-    if RANK == 0:
-        print(*a, **kw, flush=True)
-
-def fail(message, speaker=0):
-    """Stop on a user error with one sentence: every rank finds it, only rank `speaker` says it."""
-    if RANK == speaker:
-        print(f"opsd.py: error: {message}", file=sys.stderr, flush=True)
-    raise SystemExit(2)
-
-def fail_if_any_rank(problem, device):
-    """Stop every rank when one rank found a problem (None: none); the lowest such rank says it."""
-    first = int(all_reduce(torch.tensor(RANK if problem else WORLD_SIZE, device=device), dist.ReduceOp.MIN))
-    if first < WORLD_SIZE:
-        fail(problem, speaker=first)
+# Start: the device, the process group, and the environment vLLM's engine must run in
 
 def init_distributed(device_flag):
+    """(rank, world size, device); the process group under torchrun; the environment vLLM's engine must see."""
     if device_flag == "cuda" and not torch.cuda.is_available():
         fail("--device cuda, but no CUDA device is visible: use --device cpu.")
     use_cuda = device_flag == "cuda" or (device_flag == "auto" and torch.cuda.is_available())
@@ -711,257 +726,104 @@ def init_distributed(device_flag):
         torch.cuda.set_device(device)  # vLLM builds its engine on the current device
     if WORLD_SIZE > 1:
         dist.init_process_group("nccl" if use_cuda else "gloo")
-    # What the weight push needs, whatever the user exported: the engine in this process (the push and its read-back
-    # reach the engine's model there; an engine in another process cannot take the weights' generator), and float32
-    # matmuls at full precision in the trainer and in vLLM's worker (the read-back compares weights bit for bit,
-    # and a TF32 GEMM on the identity rounds them). bfloat16 GEMMs are exact on the identity either way.
+    # What the push needs, whatever the user exported: the engine in this process (an engine in another process cannot
+    # take the weights' generator), and full-precision float32 matmuls in the trainer and in vLLM's worker (the
+    # read-back compares weights bit for bit; a TF32 GEMM on the identity rounds them; bf16 is exact either way).
     for name, value in (("VLLM_ENABLE_V1_MULTIPROCESSING", "0"), ("VLLM_FLOAT32_MATMUL_PRECISION", "highest")):
         if os.environ.get(name, value) != value:
             print0(f"opsd.py: note: {name}={os.environ[name]} replaced by {value}: the weight push and its read-back "
                    "need it.", file=sys.stderr)
         os.environ[name] = value
     torch.set_float32_matmul_precision("highest")
-    # vLLM: errors only (its start-up warnings are CPU tuning advice), a small KV cache on the CPU
-    os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
-    if not use_cuda:
-        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    engine_environment(cpu=not use_cuda)
     return RANK, WORLD_SIZE, device
 
-def all_reduce(tensor, op=None):
-    """Sum (or `op`) over ranks, in place; a no-op in a world of one."""
-    if dist.is_initialized():
-        dist.all_reduce(tensor, op=op or dist.ReduceOp.SUM)
-    return tensor
+# -----------------------------------------------------------------------------
+# Data reading: local JSON / JSONL / Parquet or a hub dataset, every bad row named by file and number
 
-def barrier():
-    if dist.is_initialized():
-        dist.barrier()
+def load_prompts(args):
+    from transformers import AutoTokenizer
+    tokenizer = AutoTokenizer.from_pretrained(args.model)
+    rows = load_rows(args.dataset, args.dataset_split, args.problem_column, args.context_column, args.data_select)
+    return tokenizer, build_prompts(tokenizer, rows, student_thinking=args.student_thinking,
+                                    teacher_thinking=args.teacher_thinking, max_prompt_length=args.max_prompt_length,
+                                    student_prompt=args.student_prompt)
 
+def read_table(source, split, label, prog="opsd.py", offline="a local copy with --dataset FILE"):
+    """Rows (dicts) of a local .json / .jsonl / .parquet file or of a hub dataset's split (eval.py reads with it too);
+    `label` names the source in the one sentence of a refusal (e.g. '--dataset FILE')."""
+    path = Path(source).expanduser()
+    if not path.is_file():
+        if local_path(source):
+            fail(f"{label}: no such file.", prog=prog)
+        from datasets import load_dataset
+        try:
+            return [dict(row) for row in load_dataset(source, split=split)]
+        except Exception as e:  # the hub's many failure types all mean the same to a user
+            fail(f"{label}: cannot load split {split!r} from the hub ({str(e).splitlines()[0]}); without network, "
+                 f"use {offline}.", prog=prog)
+    if path.suffix.lower() == ".parquet":
+        import pyarrow.parquet as pq
+        return pq.read_table(path).to_pylist()
+    if path.suffix.lower() not in (".json", ".jsonl"):
+        fail(f"{label}: a local file must be .json, .jsonl or .parquet.", prog=prog)
+    text, rows = path.read_text(), []
+    # one JSON array, or one JSON object per line
+    for number, chunk in [(1, text)] if text.lstrip().startswith("[") else enumerate(text.splitlines(), 1):
+        try:
+            value = json.loads(chunk) if chunk.strip() else []
+        except json.JSONDecodeError as e:
+            fail(f"{label}, line {number + e.lineno - 1}: not valid JSON ({e.msg}).", prog=prog)
+        rows.extend(value if isinstance(value, list) else [value])
+    if not all(isinstance(row, dict) for row in rows):
+        fail(f"{label}: every row must be a JSON object.", prog=prog)
+    return rows
+
+def check_columns(rows, source, needed_by, kinds, *columns, prog="opsd.py"):
+    """Every row holds each of `columns` with a value of `kinds` (a bool is no number): else one sentence naming the
+    column or the first bad row. `source` names the data (e.g. '--dataset FILE'), `needed_by` the flag that asks."""
+    for column in columns:
+        if column not in rows[0]:
+            fail(f"{source} has no column {column!r} ({needed_by}); its columns are {list(rows[0])}.", prog=prog)
+    names = {str: "a string", int: "a number", float: "a number"}
+    noun = " or ".join(dict.fromkeys(names[k] for k in (kinds if isinstance(kinds, tuple) else (kinds,))))
+    for number, row in enumerate(rows, 1):
+        for column in columns:
+            if not isinstance(row.get(column), kinds) or isinstance(row.get(column), bool):
+                fail(f"{source}, row {number}: {column!r} is {row.get(column)!r}, not {noun}.", prog=prog)
+
+def load_rows(dataset, split, problem_column, context_column, data_select="all"):
+    """[(problem, privileged context)], after the --data-select rule. `context_column` may name several columns,
+    comma-separated (e.g. solution,COT_Reason): their texts are joined with a blank line, in that order."""
+    rows = read_table(dataset, split, f"--dataset {dataset}")
+    if not rows:
+        fail(f"--dataset {dataset} holds no rows.")
+    context_columns = [c.strip() for c in context_column.split(",")]
+    if not all(context_columns):
+        fail(f"--context-column {context_column!r}: an empty column name; give one column, or columns as a,b.")
+    check_columns(rows, f"--dataset {dataset}", "--problem-column", str, problem_column)
+    check_columns(rows, f"--dataset {dataset}", "--context-column", str, *context_columns)
+    if data_select == "hard":
+        rows = select_hard(rows, dataset)
+    return [(row[problem_column], "\n\n".join(row[c] for c in context_columns)) for row in rows]
+
+def select_hard(rows, name):
+    """The researcher's `hard` selection: under a fixed step budget, spend it where the privileged teacher
+    and the student disagree. 1) drop rows whose source is 'math' (school problems, KL near zero);
+    2) keep rows whose generated_token_count >= the element at index len // 2 of the sorted counts."""
+    check_columns(rows, f"--dataset {name}", "--data-select hard", str, "source")
+    check_columns(rows, f"--dataset {name}", "--data-select hard", (int, float), "generated_token_count")
+    kept = [r for r in rows if r["source"] != "math"]
+    if not kept:
+        fail(f"--data-select hard: every row of --dataset {name} has source 'math'.")
+    threshold = sorted(r["generated_token_count"] for r in kept)[len(kept) // 2]
+    kept = [r for r in kept if r["generated_token_count"] >= threshold]
+    print0(f"data-select hard: {len(rows)} rows -> {len(kept)} (source != 'math', "
+           f"generated_token_count >= {threshold})")
+    return kept
 
 # -----------------------------------------------------------------------------
-# Signals: on Ctrl-C or SIGTERM every rank stops without a traceback or a half-written file; rank 0 says how to resume
-
-SIGNALS = {"received": None, "deferred": False}
-
-def on_signal(signum, frame):
-    SIGNALS["received"] = signum
-    if not SIGNALS["deferred"]:
-        raise KeyboardInterrupt
-
-@contextmanager
-def uninterruptible():
-    """A write that must not be cut in half (logs, checkpoints): a signal arriving meanwhile acts after it."""
-    SIGNALS["deferred"] = True
-    try:
-        yield
-    finally:
-        SIGNALS["deferred"] = False
-    if SIGNALS["received"]:
-        raise KeyboardInterrupt
-
-@contextmanager
-def stop_quietly_on_signals(args, world_size, argv):
-    """Whatever a signal interrupts (sampling, a collective another rank left), the run ends here: one line
-    on rank 0, then every rank exits at once, without vLLM's teardown (which could wait on a dead rank)."""
-    previous = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
-    progress = {"step": None}
-    try:
-        yield progress
-    except BaseException:
-        if SIGNALS["received"] is None:
-            raise
-        last, step = latest_checkpoint(args.output_dir), progress["step"]
-        where = f"at step {step + 1} of {args.max_steps}" if step is not None else "before the first step"
-        command = [a for a in (sys.argv[1:] if argv is None else argv) if a not in ("--overwrite", "--resume")]
-        launcher = f"torchrun --nproc_per_node {world_size} opsd.py" if world_size > 1 else "python opsd.py"
-        print0(f"opsd.py: interrupted {where}; " + (f"the last checkpoint is {last}; continue with: {launcher} "
-               f"{shlex.join(command)} --resume" if last else "no checkpoint yet, so nothing to resume."),
-               file=sys.stderr)
-        sys.stdout.flush()
-        os._exit(128 + SIGNALS["received"])
-    finally:
-        for s, handler in previous.items():
-            signal.signal(s, handler)
-
-
-# -----------------------------------------------------------------------------
-# Flags: every range and combination checked before anything loads
-
-def check_flags(args):
-    checks = [
-        (args.lora_r >= 1 and args.lora_alpha > 0, "--lora-r must be at least 1 and --lora-alpha positive."),
-        (args.ema_decay == 0.999 or args.teacher == "ema", "--ema-decay needs --teacher ema."),
-        (0 < args.ema_decay < 1, "--ema-decay must lie in (0, 1)."),
-        (args.max_prompt_length >= 1 and args.max_new_tokens >= 1,
-         "--max-prompt-length and --max-new-tokens must be at least 1."),
-        (args.temperature > 0 and args.loss_temperature > 0, "--temperature and --loss-temperature must be positive."),
-        (0 < args.top_p <= 1, "--top-p must lie in (0, 1]."),
-        (args.top_k == -1 or args.top_k >= 1, "--top-k must be -1 (off) or at least 1."),
-        (0 < args.vllm_memory <= 1, "--vllm-memory must lie in (0, 1]."),
-        (args.tau > 0, "--tau must be positive."),
-        (0.0 <= args.beta <= 1.0, "--beta must lie in [0, 1]."),
-        (0 <= args.skip_first_tokens < args.max_new_tokens, "--skip-first-tokens must lie in [0, --max-new-tokens)."),
-        (args.loss_chunk_size >= 1, "--loss-chunk-size must be at least 1."),
-        (args.max_steps >= 1, "--max-steps must be at least 1."),
-        (args.prompts_per_step >= 1 and args.micro_batch_size >= 1,
-         "--prompts-per-step and --micro-batch-size must be at least 1."),
-        (args.lr > 0 and 0 <= args.min_lr <= args.lr, "--lr must be positive and --min-lr lie in [0, --lr]."),
-        (0 <= args.warmup_steps < args.max_steps, "--warmup-steps must lie in [0, --max-steps)."),
-        (args.max_grad_norm > 0, "--max-grad-norm must be positive."),
-        (args.save_every >= 0 and args.log_rollouts_every >= 0,
-         "--save-every and --log-rollouts-every must be 0 or more."),
-        (args.kl_window >= 1, "--kl-window must be at least 1."),
-        (not (args.resume and args.overwrite),
-         "--resume continues the run in --output-dir, --overwrite deletes it: pass one."),
-        (not args.wandb_project or importlib.util.find_spec("wandb"), "--wandb-project needs wandb: pip install wandb"),
-    ]
-    for ok, message in checks:
-        if not ok:
-            fail(message)
-
-
-# -----------------------------------------------------------------------------
-# Output directory and resume: never overwrite a run unless told to; resume only the same flags, prompts, model, device
-
-# flags a resumed run may change: they cannot change what the run computes, only how or what it logs
-RESUMABLE_CHANGES = ("output_dir", "resume", "overwrite", "micro_batch_size", "gradient_checkpointing",
-                     "loss_chunk_size", "vllm_memory", "device", "save_every", "kl_window", "log_rollouts_every",
-                     "wandb_project")
-
-def run_files(out_dir):
-    """What a run leaves in its directory."""
-    names = ["args.json", "metrics.jsonl", "rollouts.jsonl", "final"]
-    return [out_dir / n for n in names if (out_dir / n).exists()] + sorted(out_dir.glob("checkpoint-*"))
-
-def latest_checkpoint(out_dir):
-    steps = [int(d.name.split("-")[1]) for d in Path(out_dir).glob("checkpoint-*") if (d / "trainer_state.pt").exists()]
-    return Path(out_dir) / f"checkpoint-{max(steps)}" if steps else None
-
-def check_output_dir(args, rank):
-    """Before anything loads: the checkpoint to resume from (None for a new run), or one sentence why not."""
-    out_dir = Path(args.output_dir)
-    try:  # every rank probes with its own file, so every rank stops together
-        out_dir.mkdir(parents=True, exist_ok=True)
-        probe = out_dir / f".write-test-{rank}"
-        probe.write_text("")
-        probe.unlink()
-    except OSError as e:
-        fail(f"--output-dir {out_dir} is not writable ({e.strerror}).")
-    existing = run_files(out_dir)
-    if not args.resume:
-        if existing and not args.overwrite:
-            fail(f"--output-dir {out_dir} already holds a run ({', '.join(p.name for p in existing[:3])}): pass "
-                 "--resume to continue it, --overwrite to replace it, or choose another --output-dir.")
-        return None
-    if not (out_dir / "args.json").is_file():
-        fail(f"--resume: {out_dir} holds no run to resume (no args.json).")
-    saved = json.loads((out_dir / "args.json").read_text())
-    changed = ["--" + k.replace("_", "-") for k, v in vars(args).items()
-               if k not in RESUMABLE_CHANGES and saved.get(k) != v]
-    if changed:
-        fail(f"--resume with other {', '.join(changed)} than the run in {out_dir} would change its results: "
-             "use the same values, or start a new run in another --output-dir.")
-    if (out_dir / "final").exists():
-        fail(f"--resume: the run in {out_dir} has finished ({out_dir / 'final'} exists); nothing to resume.")
-    checkpoint = latest_checkpoint(out_dir)
-    if checkpoint is None:
-        fail(f"--resume: {out_dir} holds no checkpoint yet; restart the run with --overwrite.")
-    return checkpoint
-
-def run_fingerprint(args, prompts, device):
-    """What a resume must find unchanged, by content: the prompts (their number and a hash of their token ids:
-    together they fix every step's data), the model's files and the device type (CPU and CUDA sample apart)."""
-    ids = hashlib.sha256()
-    for student, teacher in prompts:
-        ids.update(array("q", [len(student), len(teacher), *student, *teacher]).tobytes())
-    return {"prompts": len(prompts), "prompt_ids_sha256": ids.hexdigest(), "model": model_fingerprint(args.model),
-            "device": device.type}
-
-def model_fingerprint(model):
-    """sha256 of config.json and of each weight file's name, size and 16 evenly spaced 64 KiB samples (the whole
-    file under 1 MiB): cheap at any size; retrained or re-released weights change every tensor. eval.py records it."""
-    from transformers.utils import cached_file
-    folder = Path(model).expanduser()
-    folder = folder if folder.is_dir() else Path(cached_file(model, "config.json")).parent
-    digest = hashlib.sha256((folder / "config.json").read_bytes())
-    for path in sorted(folder.glob("*.safetensors")) or sorted(folder.glob("*.bin")):
-        size, chunk = path.stat().st_size, 64 << 10
-        digest.update(f"{path.name}\0{size}\0".encode())
-        read = chunk if size >= 16 * chunk else size
-        with open(path, "rb") as f:
-            for k in range(16 if read < size else 1):
-                f.seek(k * (size - read) // 15)
-                digest.update(f.read(read))
-    return digest.hexdigest()
-
-def check_fingerprint(checkpoint, current):
-    saved = torch.load(checkpoint / "trainer_state.pt", map_location="cpu", weights_only=True, mmap=True)
-    saved = saved.get("fingerprint", current)  # checkpoints of an older opsd.py hold none
-    what = {"prompts": "the number of prompts", "prompt_ids_sha256": "the prompts' token ids",
-            "model": "the model's files", "device": "the device type"}
-    changed = [f"{what[k]} ({saved[k]} -> {v})" for k, v in current.items() if saved.get(k) != v]
-    if changed:
-        fail(f"--resume: {', '.join(changed)} changed since {checkpoint} was written, so the resumed steps would "
-             "differ from the run's: resume with the same data, model and device, or start a new --output-dir.")
-
-def open_run(args, start_step):
-    """Rank 0: delete the old run (--overwrite), record the flags, cut the logs back to the resumed step (dropping
-    records of later steps and a line a kill cut short), start Weights & Biases when asked."""
-    out_dir = Path(args.output_dir)
-    with uninterruptible():
-        if args.overwrite:
-            for path in run_files(out_dir):
-                shutil.rmtree(path) if path.is_dir() else path.unlink()
-        write_atomically(out_dir / "args.json", json.dumps(vars(args), indent=2) + "\n")
-        for path in (out_dir / "metrics.jsonl", out_dir / "rollouts.jsonl"):
-            if path.exists():
-                keep = [line for line in path.read_text().splitlines() if record_step(line) <= start_step]
-                write_atomically(path, "".join(line + "\n" for line in keep))
-    if args.wandb_project:
-        import wandb
-        return wandb.init(project=args.wandb_project, name=out_dir.name, config=vars(args), dir=str(out_dir))
-    return None
-
-def record_step(line):
-    try:
-        return json.loads(line)["step"]
-    except (ValueError, KeyError, TypeError):  # the tail of a write that a kill cut short
-        return math.inf
-
-def write_atomically(path, text):
-    tmp = path.with_name(f".tmp-{path.name}")
-    tmp.write_text(text)
-    os.replace(tmp, path)
-
-
-# -----------------------------------------------------------------------------
-# Model guards: the loss assumes logits = final hidden state @ lm_head.weight^T and all seven LoRA projections
-
-def local_path(value):
-    """True when `value` names a local file or directory rather than a hub id (org/name)."""
-    path = Path(value).expanduser()
-    return (path.exists() or value.startswith((".", "/", "~")) or value.count("/") > 1
-            or (len(path.parts) > 1 and Path(path.parts[0]).is_dir()))
-
-def load_config(args):
-    """The model's config, before anything big loads: fields that change logits are refused, and the context
-    must fit prompt + answer."""
-    from transformers import AutoConfig
-    if local_path(args.model) and not Path(args.model).expanduser().is_dir():
-        fail(f"--model {args.model}: no such directory.")
-    try:
-        config = AutoConfig.from_pretrained(args.model)
-    except (OSError, ValueError) as e:
-        fail(f"--model {args.model}: cannot load its config ({str(e).splitlines()[0]}).")
-    for field in ("final_logit_softcapping", "logit_scale", "logits_scaling"):
-        if getattr(config, field, None) not in (None, 1):
-            fail(f"--model {args.model} ({config.model_type}) is not supported: its config sets {field} = "
-                 f"{getattr(config, field)}, but the loss builds logits as final_hidden @ lm_head.weight^T.")
-    context = getattr(config, "max_position_embeddings", None)
-    if context and args.max_prompt_length + args.max_new_tokens > context:
-        fail(f"--max-prompt-length {args.max_prompt_length} + --max-new-tokens {args.max_new_tokens} exceeds the "
-             f"model's context of {context} tokens: lower one of them.")
-    return config
+# Model: the weights, dropout off, LoRA on all seven projections, after the model guards
 
 def load_model(args, device):
     """The model with LoRA on all seven projections, after the guards; every rank checks it drew the same LoRA."""
@@ -981,36 +843,6 @@ def load_model(args, device):
     model.train()  # for gradient checkpointing; dropout is off
     return model, lora_params
 
-def check_same_on_every_rank(lora_params):
-    """One all-reduce of (checksum, -checksum) with MAX: every rank then knows the largest and the smallest."""
-    checksum = torch.cat([p.detach().flatten() for p in lora_params]).double().sum()
-    high, neg_low = all_reduce(torch.stack([checksum, -checksum]), dist.ReduceOp.MAX).tolist()
-    if high != -neg_low:
-        fail(f"the ranks drew different LoRA initialisations (checksums {-neg_low!r} to {high!r}); they must "
-             "start from the same adapter: check that every rank runs the same opsd.py, torch and --seed.")
-
-@torch.no_grad()
-def check_logits_path(model):
-    """None when final_hidden @ lm_head.weight^T reproduces the model's logits on a 16-token probe, else why not.
-    A model whose forward does more (soft-capping, scaling, an lm_head bias) would get a silently wrong loss."""
-    if getattr(model.get_output_embeddings(), "bias", None) is not None:
-        return "its lm_head has a bias"
-    ids = torch.arange(3, 19, device=model.device)[None] % model.config.vocab_size  # (1, 16)
-    positions = torch.arange(16, device=ids.device)[None]
-    inputs = dict(input_ids=ids, attention_mask=torch.ones_like(ids), position_ids=positions)
-    training = model.training
-    try:
-        model.eval()  # no dropout in either forward
-        want = model(**inputs, use_cache=False).logits.float()  # (1, 16, V)
-        got = (final_hidden(model, inputs) @ model.get_output_embeddings().weight.T).float()
-    except (AttributeError, TypeError) as e:
-        return f"its hidden states cannot be taken apart from its logits ({e})"
-    finally:
-        model.train(training)
-    if not torch.allclose(got, want, rtol=1e-2, atol=1e-3 * float(want.abs().max())):
-        return "its logits are not final_hidden @ lm_head.weight^T (soft-capping, scaling or a bias?)"
-    return None
-
 def disable_dropout(model):
     """The recipe trains without dropout; train() (needed for gradient checkpointing) would switch it on."""
     for m in model.modules():
@@ -1019,91 +851,8 @@ def disable_dropout(model):
         if isinstance(getattr(m, "attention_dropout", None), float):
             m.attention_dropout = 0.0
 
-
 # -----------------------------------------------------------------------------
-# Data reading: local JSON / JSONL / Parquet or a hub dataset, every bad row named by file and number
-
-def load_prompts(args):
-    from transformers import AutoTokenizer
-    tokenizer = AutoTokenizer.from_pretrained(args.model)
-    rows = load_rows(args.dataset, args.dataset_split, args.problem_column, args.context_column, args.data_select)
-    return tokenizer, build_prompts(tokenizer, rows, student_thinking=args.student_thinking,
-                                    teacher_thinking=args.teacher_thinking, max_prompt_length=args.max_prompt_length,
-                                    student_prompt=args.student_prompt)
-
-def read_table(dataset, split):
-    """Rows (dicts) of a local .json / .jsonl / .parquet file or of a hub dataset's split."""
-    path = Path(dataset).expanduser()
-    if not path.is_file():
-        if local_path(dataset):
-            fail(f"--dataset {dataset}: no such file.")
-        from datasets import load_dataset
-        try:
-            return list(load_dataset(dataset, split=split))
-        except Exception as e:  # the hub's many failure types all mean the same to a user
-            fail(f"--dataset {dataset}: cannot load split {split!r} from the hub ({str(e).splitlines()[0]}).")
-    if path.suffix.lower() == ".parquet":
-        from datasets import load_dataset
-        return list(load_dataset("parquet", data_files=str(path), split="train"))
-    if path.suffix.lower() not in (".json", ".jsonl"):
-        fail(f"--dataset {dataset}: a local file must be .json, .jsonl or .parquet.")
-    text, rows = path.read_text(), []
-    # one JSON array, or one JSON object per line
-    for number, chunk in [(1, text)] if text.lstrip().startswith("[") else enumerate(text.splitlines(), 1):
-        try:
-            value = json.loads(chunk) if chunk.strip() else []
-        except json.JSONDecodeError as e:
-            fail(f"--dataset {dataset}, line {number + e.lineno - 1}: not valid JSON ({e.msg}).")
-        rows.extend(value if isinstance(value, list) else [value])
-    if not all(isinstance(row, dict) for row in rows):
-        fail(f"--dataset {dataset}: every row must be a JSON object.")
-    return rows
-
-def select_hard(rows, name):
-    """The researcher's `hard` selection: under a fixed step budget, spend it where the privileged teacher
-    and the student disagree. 1) drop rows whose source is 'math' (school problems, KL near zero);
-    2) keep rows whose generated_token_count >= the element at index len // 2 of the sorted counts."""
-    for column in ("source", "generated_token_count"):
-        if column not in rows[0]:
-            fail(f"--data-select hard needs the column {column!r}, which --dataset {name} does not have.")
-    for number, row in enumerate(rows, 1):
-        count = row.get("generated_token_count")
-        if not isinstance(row.get("source"), str) or not isinstance(count, (int, float)) or isinstance(count, bool):
-            fail(f"--data-select hard: --dataset {name}, row {number} needs a string 'source' and a number "
-                 f"'generated_token_count', not {row.get('source')!r} and {count!r}.")
-    kept = [r for r in rows if r["source"] != "math"]
-    if not kept:
-        fail(f"--data-select hard: every row of --dataset {name} has source 'math'.")
-    threshold = sorted(r["generated_token_count"] for r in kept)[len(kept) // 2]
-    kept = [r for r in kept if r["generated_token_count"] >= threshold]
-    print0(f"data-select hard: {len(rows)} rows -> {len(kept)} (source != 'math', "
-           f"generated_token_count >= {threshold})")
-    return kept
-
-def load_rows(dataset, split, problem_column, context_column, data_select="all"):
-    """[(problem, privileged context)], after the --data-select rule. `context_column` may name several columns,
-    comma-separated (e.g. solution,COT_Reason): their texts are joined with a blank line, in that order."""
-    rows = read_table(dataset, split)
-    if not rows:
-        fail(f"--dataset {dataset} holds no rows.")
-    context_columns = [c.strip() for c in context_column.split(",")]
-    if not all(context_columns):
-        fail(f"--context-column {context_column!r}: an empty column name; give one column, or columns as a,b.")
-    named = [(problem_column, "--problem-column")] + [(c, "--context-column") for c in context_columns]
-    for column, flag in named:
-        if column not in rows[0]:
-            fail(f"--dataset {dataset} has no column {column!r} ({flag}); its columns are {list(rows[0])}.")
-    for number, row in enumerate(rows, 1):
-        for column, _ in named:
-            if not isinstance(row.get(column), str):
-                fail(f"--dataset {dataset}, row {number}: {column!r} is {row.get(column)!r}, not a string.")
-    if data_select == "hard":
-        rows = select_hard(rows, dataset)
-    return [(row[problem_column], "\n\n".join(row[c] for c in context_columns)) for row in rows]
-
-
-# -----------------------------------------------------------------------------
-# Adapters, checkpoints and logs: adapters in PEFT's layout; checkpoints written aside and renamed, never half-written
+# Adapters and checkpoints: adapters in PEFT's layout; checkpoints written aside and renamed, never half-written
 
 ADAPTER_WEIGHTS, ADAPTER_CONFIG = "adapter_model.safetensors", "adapter_config.json"
 
@@ -1143,23 +892,6 @@ def load_adapter(model, adapter_dir):
     for name, p in params.items():
         p.copy_(tensors[name])
 
-def save_run_state(out_dir, model, lora_params, ema, args, state=None):
-    """checkpoint-<step>/ (when `state` is given) or final/: the student adapter, the EMA teacher's in
-    ema/ (same layout, so eval.py can score it), and what a resume needs: the step, the optimizer, the
-    KL window, the run's fingerprint. Data order and sampling seeds are functions of (seed, step): no RNG state."""
-    final_dir = Path(out_dir) / (f"checkpoint-{state['step']}" if state else "final")
-    tmp = final_dir.with_name(f".tmp-{final_dir.name}")
-    with uninterruptible():
-        shutil.rmtree(tmp, ignore_errors=True)
-        save_adapter(model, tmp, args.model)
-        if ema is not None:
-            with lora_values(lora_params, ema):
-                save_adapter(model, tmp / "ema", args.model)
-        if state is not None:
-            torch.save(state, tmp / "trainer_state.pt")
-        shutil.rmtree(final_dir, ignore_errors=True)
-        os.rename(tmp, final_dir)
-
 def restore(checkpoint, model, lora_params, optimizer):
     """Load a checkpoint into the model and optimizer; returns (step, EMA weights or None, KL window)."""
     # map_location cpu: it loads on any device; load_state_dict moves the optimizer state to its parameters' device
@@ -1172,18 +904,57 @@ def restore(checkpoint, model, lora_params, optimizer):
     load_adapter(model, checkpoint)
     return state["step"], ema, deque(state["kl_window"])
 
-def push_checked(llm, model, out_dir):
-    """push_weights, stopping every rank in one sentence when a rank's engine does not hold what was sent."""
+def save_run_state(out_dir, model, lora_params, ema, args, state=None):
+    """checkpoint-<step>/ (when `state` is given) or final/: the student adapter, the EMA teacher's in
+    ema/ (same layout, so eval.py can score it), and what a resume needs: the step, the optimizer and the KL window
+    (args.json holds the flags and the run's fingerprint). Data order and sampling seeds are functions of (seed,
+    step): no RNG state."""
+    final_dir = Path(out_dir) / (f"checkpoint-{state['step']}" if state else "final")
+    tmp = final_dir.with_name(f".tmp-{final_dir.name}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    save_adapter(model, tmp, args.model)
+    if ema is not None:
+        with lora_values(lora_params, ema):
+            save_adapter(model, tmp / "ema", args.model)
+    if state is not None:
+        torch.save(state, tmp / "trainer_state.pt")
+    shutil.rmtree(final_dir, ignore_errors=True)
+    os.rename(tmp, final_dir)
+
+# -----------------------------------------------------------------------------
+# Logs: args.json, the step line, metrics.jsonl and rollouts.jsonl; Weights & Biases when asked
+
+def open_run(args, start_step, run_identity):
+    """Rank 0: delete the old run (--overwrite), record the flags and the run fingerprint, cut the logs back to the
+    resumed step (dropping records of later steps and a line a kill cut short), start Weights & Biases when asked."""
+    out_dir = Path(args.output_dir)
+    if args.overwrite:
+        for path in run_files(out_dir):
+            shutil.rmtree(path) if path.is_dir() else path.unlink()
+    record = {**vars(args), "fingerprint": run_identity}  # the flags, and what a resume must find unchanged
+    write_atomically(out_dir / "args.json", json.dumps(record, indent=2) + "\n")
+    for path in (out_dir / "metrics.jsonl", out_dir / "rollouts.jsonl"):
+        if path.exists():
+            keep = [line for line in path.read_text().splitlines() if record_step(line) <= start_step]
+            write_atomically(path, "".join(line + "\n" for line in keep))
+    if args.wandb_project:
+        import wandb
+        return wandb.init(project=args.wandb_project, name=out_dir.name, config=vars(args), dir=str(out_dir))
+    return None
+
+def record_step(line):
     try:
-        seconds, problem = push_weights(llm, model), None
-    except RuntimeError as e:
-        seconds, problem = 0.0, f"{e} Stopped; the last checkpoint is {latest_checkpoint(out_dir) or 'none'}."
-    fail_if_any_rank(problem, model.device)
-    return seconds
+        return json.loads(line)["step"]
+    except (ValueError, KeyError, TypeError):  # the tail of a write that a kill cut short
+        return math.inf
+
+def write_atomically(path, text):
+    tmp = path.with_name(f".tmp-{path.name}")
+    tmp.write_text(text)
+    os.replace(tmp, path)
 
 # The sampler/trainer gap's floor with identical weights, measured on CPU kernels only (tiny Qwen3, mean): ~1e-6 in
-# float32, ~1e-2 in bfloat16 (up to ~2e-2 at lr 1e-4, as the merged bf16 weights round). GPU kernels have floors of
-# their own (not yet measured): the alarm is a warning on the step line, never a stop. It flags a mean gap above:
+# float32, ~1e-2 in bf16 (~2e-2 at lr 1e-4). GPU floors are not yet measured: a warning on the step line, no stop.
 GAP_ALARM = {"float32": 1e-4, "bfloat16": 5e-2}
 
 def log_step(args, record, rollouts, tracker):
@@ -1198,18 +969,245 @@ def log_step(args, record, rollouts, tracker):
           + (f" <- gap above the {args.dtype} noise floor measured on CPU: stale weights or wrong positions?"
              if stale else ""),
           flush=True)
-    with uninterruptible():
-        with open(out_dir / "metrics.jsonl", "a") as f:
-            f.write(json.dumps(record) + "\n")
-        if rollouts:
-            with open(out_dir / "rollouts.jsonl", "a") as f:
-                f.writelines(json.dumps(r) + "\n" for r in rollouts)
+    with open(out_dir / "metrics.jsonl", "a") as f:
+        f.write(json.dumps(record) + "\n")
+    if rollouts:
+        with open(out_dir / "rollouts.jsonl", "a") as f:
+            f.writelines(json.dumps(r) + "\n" for r in rollouts)
     if tracker:
-        tracker.log({**record, **({"rollouts": wandb_table(rollouts)} if rollouts else {})}, step=step)
+        import wandb
+        table = rollouts and wandb.Table(columns=list(rollouts[0]), data=[list(r.values()) for r in rollouts])
+        tracker.log({**record, **({"rollouts": table} if rollouts else {})}, step=step)
 
-def wandb_table(rollouts):
-    import wandb
-    return wandb.Table(columns=list(rollouts[0]), data=[list(r.values()) for r in rollouts])
+# =============================================================================
+# PART 3: WHAT KEEPS A RUN HONEST
+# =============================================================================
+
+# -----------------------------------------------------------------------------
+# Flags: the rules that relate several flags
+
+def check_flags(args):
+    """The rules that relate several flags (each flag's own range is its argparse type)."""
+    checks = [
+        (args.ema_decay is None or args.teacher == "ema", "--ema-decay needs --teacher ema."),
+        (args.skip_first_tokens < args.max_new_tokens, "--skip-first-tokens must lie in [0, --max-new-tokens)."),
+        (args.min_lr <= args.lr, "--min-lr must lie in [0, --lr]."),
+        (args.warmup_steps < args.max_steps, "--warmup-steps must lie in [0, --max-steps)."),
+        (args.prompts_per_step % (WORLD_SIZE * args.micro_batch_size) == 0,
+         f"--prompts-per-step {args.prompts_per_step} must be divisible by ranks x --micro-batch-size "
+         f"= {WORLD_SIZE} x {args.micro_batch_size}."),
+        (not args.wandb_project or importlib.util.find_spec("wandb"), "--wandb-project needs wandb: pip install wandb"),
+    ]
+    for ok, message in checks:
+        if not ok:
+            fail(message)
+
+# -----------------------------------------------------------------------------
+# Output directory and resume: never overwrite a run unless told to; resume only the same flags, prompts, model, device
+
+# flags a resumed run may change: they cannot change what the run computes, only how or what it logs
+RESUMABLE_CHANGES = ("output_dir", "resume", "overwrite", "micro_batch_size", "gradient_checkpointing",
+                     "loss_chunk_size", "vllm_memory", "device", "save_every", "kl_window", "log_rollouts_every",
+                     "wandb_project")
+
+def run_files(out_dir):
+    """What a run leaves in its directory."""
+    names = ["args.json", "metrics.jsonl", "rollouts.jsonl", "final"]
+    return [out_dir / n for n in names if (out_dir / n).exists()] + sorted(out_dir.glob("checkpoint-*"))
+
+def latest_checkpoint(out_dir):
+    steps = [int(d.name.split("-")[1]) for d in Path(out_dir).glob("checkpoint-*") if (d / "trainer_state.pt").exists()]
+    return Path(out_dir) / f"checkpoint-{max(steps)}" if steps else None
+
+def check_output_dir(args, rank):
+    """Before anything loads: (the checkpoint to resume from, the run fingerprint args.json recorded), (None, None)
+    for a new run, or one sentence why not."""
+    out_dir = Path(args.output_dir)
+    try:  # every rank probes with its own file, so every rank stops together
+        out_dir.mkdir(parents=True, exist_ok=True)
+        probe = out_dir / f".write-test-{rank}"
+        probe.write_text("")
+        probe.unlink()
+    except OSError as e:
+        fail(f"--output-dir {out_dir} is not writable ({e.strerror}).")
+    existing = run_files(out_dir)
+    if not args.resume:
+        if existing and not args.overwrite:
+            fail(f"--output-dir {out_dir} already holds a run ({', '.join(p.name for p in existing[:3])}): pass "
+                 "--resume to continue it, --overwrite to replace it, or choose another --output-dir.")
+        return None, None
+    if not (out_dir / "args.json").is_file():
+        fail(f"--resume: {out_dir} holds no run to resume (no args.json).")
+    saved = json.loads((out_dir / "args.json").read_text())
+    if "fingerprint" not in saved:
+        fail(f"--resume: {out_dir / 'args.json'} records no run fingerprint (an older opsd.py wrote it), so the "
+             "resumed steps cannot be checked against the run's: start a new run in another --output-dir.")
+    changed = ["--" + k.replace("_", "-") for k, v in vars(args).items()
+               if k not in RESUMABLE_CHANGES and saved.get(k) != v]
+    if changed:
+        fail(f"--resume with other {', '.join(changed)} than the run in {out_dir} would change its results: "
+             "use the same values, or start a new run in another --output-dir.")
+    if (out_dir / "final").exists():
+        fail(f"--resume: the run in {out_dir} has finished ({out_dir / 'final'} exists); nothing to resume.")
+    checkpoint = latest_checkpoint(out_dir)
+    if checkpoint is None:
+        fail(f"--resume: {out_dir} holds no checkpoint yet; restart the run with --overwrite.")
+    return checkpoint, saved["fingerprint"]
+
+def run_fingerprint(args, prompts, device):
+    """What a resume must find unchanged, by content: the prompts (their number and a hash of their token ids:
+    together they fix every step's data), the model's files and the device type (CPU and CUDA sample apart)."""
+    ids = hashlib.sha256()
+    for student, teacher in prompts:
+        ids.update(array("q", [len(student), len(teacher), *student, *teacher]).tobytes())
+    return {"prompts": len(prompts), "prompt_ids_sha256": ids.hexdigest(), "model": model_fingerprint(args.model),
+            "device": device.type}
+
+def model_fingerprint(model):
+    """sha256 of config.json and of each weight file's name, size and 16 evenly spaced 64 KiB samples (the whole
+    file under 1 MiB): cheap at any size; retrained or re-released weights change every tensor. None when neither a
+    local directory nor a cached hub snapshot holds the weights (found without network). eval.py records it."""
+    folder = model_dir(model)
+    weights = (sorted(folder.glob("*.safetensors")) or sorted(folder.glob("*.bin"))) if folder else []
+    if not weights or not (folder / "config.json").is_file():
+        return None
+    digest, chunk = hashlib.sha256((folder / "config.json").read_bytes()), 64 << 10
+    for path in weights:
+        size = path.stat().st_size
+        digest.update(f"{path.name}\0{size}\0".encode())
+        read = chunk if size >= 16 * chunk else size
+        with open(path, "rb") as f:
+            for k in range(16 if read < size else 1):
+                f.seek(k * (size - read) // 15)
+                digest.update(f.read(read))
+    return digest.hexdigest()
+
+def model_dir(model):
+    """A local model's directory, or a hub model's cached snapshot; None if neither."""
+    if Path(model).expanduser().is_dir():
+        return Path(model).expanduser().resolve()
+    from huggingface_hub import try_to_load_from_cache
+    try:
+        config = try_to_load_from_cache(model, "config.json")
+    except ValueError:  # not a hub id either
+        return None
+    return Path(config).parent.resolve() if isinstance(config, str) else None
+
+def check_fingerprint(saved, current, checkpoint):
+    """The run fingerprint args.json recorded (`saved`) against this run's: the same prompts, model files, device."""
+    what = {"prompts": "the number of prompts", "prompt_ids_sha256": "the prompts' token ids",
+            "model": "the model's files", "device": "the device type"}
+    changed = [f"{what[k]} ({saved.get(k)} -> {v})" for k, v in current.items() if saved.get(k) != v]
+    if changed:
+        fail(f"--resume: {', '.join(changed)} changed since {checkpoint} was written, so the resumed steps would "
+             "differ from the run's: resume with the same data, model and device, or start a new --output-dir.")
+
+# -----------------------------------------------------------------------------
+# Model guards: the loss assumes logits = final hidden state @ lm_head.weight^T and all seven LoRA projections
+
+def local_path(value):
+    """True when `value` names a local file or directory rather than a hub id (org/name)."""
+    path = Path(value).expanduser()
+    return (path.exists() or value.startswith((".", "/", "~")) or value.count("/") > 1
+            or (len(path.parts) > 1 and Path(path.parts[0]).is_dir()))
+
+def load_config(args):
+    """The model's config, before anything big loads: fields that change logits are refused, and the context
+    must fit prompt + answer."""
+    from transformers import AutoConfig
+    if local_path(args.model) and not Path(args.model).expanduser().is_dir():
+        fail(f"--model {args.model}: no such directory.")
+    try:
+        config = AutoConfig.from_pretrained(args.model)
+    except (OSError, ValueError) as e:
+        fail(f"--model {args.model}: cannot load its config ({str(e).splitlines()[0]}).")
+    for field in ("final_logit_softcapping", "logit_scale", "logits_scaling"):
+        if getattr(config, field, None) not in (None, 1):
+            fail(f"--model {args.model} ({config.model_type}) is not supported: its config sets {field} = "
+                 f"{getattr(config, field)}, but the loss builds logits as final_hidden @ lm_head.weight^T.")
+    context = getattr(config, "max_position_embeddings", None)
+    if context and args.max_prompt_length + args.max_new_tokens > context:
+        fail(f"--max-prompt-length {args.max_prompt_length} + --max-new-tokens {args.max_new_tokens} exceeds the "
+             f"model's context of {context} tokens: lower one of them.")
+    return config
+
+@torch.no_grad()
+def check_logits_path(model):
+    """None when final_hidden @ lm_head.weight^T reproduces the model's logits on a 16-token probe, else why not.
+    A model whose forward does more (soft-capping, scaling, an lm_head bias) would get a silently wrong loss."""
+    if getattr(model.get_output_embeddings(), "bias", None) is not None:
+        return "its lm_head has a bias"
+    positions = torch.arange(16, device=model.device)[None]  # (1, 16)
+    ids = (positions + 3) % model.config.vocab_size
+    inputs = dict(input_ids=ids, attention_mask=torch.ones_like(ids), position_ids=positions)
+    training = model.training
+    try:
+        model.eval()  # no dropout in either forward
+        want = model(**inputs, use_cache=False).logits.float()  # (1, 16, V)
+        got = (final_hidden(model, inputs) @ model.get_output_embeddings().weight.T).float()
+    except (AttributeError, TypeError) as e:
+        return f"its hidden states cannot be taken apart from its logits ({e})"
+    finally:
+        model.train(training)
+    if not torch.allclose(got, want, rtol=1e-2, atol=1e-3 * float(want.abs().max())):
+        return "its logits are not final_hidden @ lm_head.weight^T (soft-capping, scaling or a bias?)"
+    return None
+
+def check_same_on_every_rank(lora_params):
+    """One all-reduce of (checksum, -checksum) with MAX: every rank then knows the largest and the smallest."""
+    checksum = torch.cat([p.detach().flatten() for p in lora_params]).double().sum()
+    high, neg_low = all_reduce(torch.stack([checksum, -checksum]), dist.ReduceOp.MAX).tolist()
+    if high != -neg_low:
+        fail(f"the ranks drew different LoRA initialisations (checksums {-neg_low!r} to {high!r}); they must "
+             "start from the same adapter: check that every rank runs the same opsd.py, torch and --seed.")
+
+# -----------------------------------------------------------------------------
+# Numbers checked: a weight push read back on every rank, no update from a non-finite loss
+
+def push_checked(llm, model, out_dir):
+    """push_weights, stopping every rank in one sentence when a rank's engine does not hold what was sent."""
+    problem = push_weights(llm, model)
+    fail_if_any_rank(problem and f"{problem} Stopped; the last checkpoint is {latest_checkpoint(out_dir) or 'none'}.",
+                     model.device)
+
+def check_finite(step, loss, grad_norm, out_dir):
+    """Stop before an update that would write NaN or inf into the adapter (a NaN loss at step 1 on a GPU: README)."""
+    if not (math.isfinite(loss) and math.isfinite(grad_norm)):
+        fail(f"step {step + 1}: non-finite loss ({loss}) or gradient norm ({grad_norm}); "
+             f"stopped before the update, last checkpoint: {latest_checkpoint(out_dir) or 'none'}.")
+
+# -----------------------------------------------------------------------------
+# Signals: on Ctrl-C or SIGTERM every rank stops without a traceback; rank 0 says how to resume
+
+SIGNALS = {"received": None}
+
+def on_signal(signum, frame):
+    SIGNALS["received"] = signum
+    raise KeyboardInterrupt
+
+@contextmanager
+def stop_quietly_on_signals(args, world_size, argv):
+    """Whatever a signal interrupts (sampling, a collective another rank left), the run ends here: one line
+    on rank 0, then every rank exits at once, without vLLM's teardown (which could wait on a dead rank)."""
+    previous = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+    progress = {"step": None}
+    try:
+        yield progress
+    except BaseException:
+        if SIGNALS["received"] is None:
+            raise
+        last, step = latest_checkpoint(args.output_dir), progress["step"]
+        where = f"at step {step + 1} of {args.max_steps}" if step is not None else "before the first step"
+        command = [a for a in (sys.argv[1:] if argv is None else argv) if a not in ("--overwrite", "--resume")]
+        launcher = f"torchrun --nproc_per_node {world_size} opsd.py" if world_size > 1 else "python opsd.py"
+        print0(f"opsd.py: interrupted {where}; " + (f"the last checkpoint is {last}; continue with: {launcher} "
+               f"{shlex.join(command)} --resume" if last else "no checkpoint yet, so nothing to resume."),
+               file=sys.stderr)
+        sys.stdout.flush()
+        os._exit(128 + SIGNALS["received"])
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
 
 if __name__ == "__main__":
     main()

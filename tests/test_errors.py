@@ -34,22 +34,28 @@ def write(path, text):
 
 
 @pytest.mark.parametrize("extra, message", [
-    (["--max-new-tokens", "0"], "--max-prompt-length and --max-new-tokens must be at least 1."),
-    (["--top-p", "0"], "--top-p must lie in (0, 1]."),
-    (["--lr", "-1"], "--lr must be positive"),
-    (["--lora-r", "0"], "--lora-r must be at least 1"),
-    (["--tau", "0"], "--tau must be positive."),
-    (["--top-k", "0"], "--top-k must be -1 (off) or at least 1."),
-    (["--vllm-memory", "1.5"], "--vllm-memory must lie in (0, 1]."),
-    (["--skip-first-tokens", "1024"], "--skip-first-tokens must lie in [0, --max-new-tokens)."),
-    (["--ema-decay", "0.9"], "--ema-decay needs --teacher ema."),
-    (["--teacher", "ema", "--ema-decay", "1"], "--ema-decay must lie in (0, 1)."),
-    (["--resume", "--overwrite"], "pass one."),
-    (["--max-prompt-length", "4000", "--max-new-tokens", "100"],
-     "--max-prompt-length 4000 + --max-new-tokens 100 exceeds the model's context of 4096 tokens: lower one of them."),
+    (["--max-new-tokens", "0"], "opsd.py: error: argument --max-new-tokens: must be at least 1, got 0\n"),
+    (["--top-p", "0"], "opsd.py: error: argument --top-p: must be in (0, 1], got 0\n"),
+    (["--lr", "-1"], "opsd.py: error: argument --lr: must be positive, got -1\n"),
+    (["--lora-r", "0"], "opsd.py: error: argument --lora-r: must be at least 1, got 0\n"),
+    (["--lora-r", "two"], "opsd.py: error: argument --lora-r: invalid int value: 'two'\n"),
+    (["--tau", "0"], "opsd.py: error: argument --tau: must be positive, got 0\n"),
+    (["--top-k", "0"], "opsd.py: error: argument --top-k: must be -1 (off) or at least 1, got 0\n"),
+    (["--vllm-memory", "1.5"], "opsd.py: error: argument --vllm-memory: must be in (0, 1], got 1.5\n"),
+    (["--clip", "entr"], "opsd.py: error: argument --clip: invalid choice: 'entr' (choose from 'entry', 'token', 'none')\n"),
+    (["--skip-first-tokens", "1024"], "opsd.py: error: --skip-first-tokens must lie in [0, --max-new-tokens).\n"),
+    (["--ema-decay", "0.9"], "opsd.py: error: --ema-decay needs --teacher ema.\n"),
+    (["--teacher", "ema", "--ema-decay", "1"], "opsd.py: error: argument --ema-decay: must be in (0, 1), got 1\n"),
+    (["--resume", "--overwrite"], "opsd.py: error: argument --overwrite: not allowed with argument --resume\n"),
+    (["--min-lr", "1e-5"], "opsd.py: error: --min-lr must lie in [0, --lr].\n"),
+    (["--warmup-steps", "100"], "opsd.py: error: --warmup-steps must lie in [0, --max-steps).\n"),
+    (["--prompts-per-step", "6"], "opsd.py: error: --prompts-per-step 6 must be divisible by ranks x --micro-batch-size "
+                                  "= 1 x 4.\n"),
+    (["--max-prompt-length", "4000", "--max-new-tokens", "100"], "opsd.py: error: --max-prompt-length 4000 + "
+     "--max-new-tokens 100 exceeds the model's context of 4096 tokens: lower one of them.\n"),
 ])
 def test_bad_flags(base, extra, message, capsys):
-    assert message in error_of(base + extra, capsys)
+    assert error_of(base + extra, capsys) == message  # the whole of stderr: one sentence, no usage block
 
 
 def test_bad_paths(base, tmp_path, capsys):
@@ -74,7 +80,7 @@ def test_bad_data_files(base, tmp_path, capsys):
     err = error_of(base + ["--dataset", no_column], capsys)
     assert f"--dataset {no_column} has no column 'solution' (--context-column); its columns are ['problem', 'answer']." in err
     err = error_of(base + ["--data-select", "hard"], capsys)
-    assert f"--data-select hard needs the column 'source', which --dataset {DATA} does not have." in err
+    assert f"--dataset {DATA} has no column 'source' (--data-select hard); its columns are [" in err
 
 
 def test_one_sentence_once_under_torchrun_without_a_traceback_of_ours(tiny_model_dir, tmp_path):

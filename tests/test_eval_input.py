@@ -8,7 +8,6 @@ case stops before the engine would start."""
 
 import hashlib
 import json
-import os
 import random
 import subprocess
 import sys
@@ -23,10 +22,16 @@ DATA = ROOT / "tests" / "data" / "eval_tiny.jsonl"
 
 
 def refusal(argv, tmp_path, model=None):
-    with pytest.raises(SystemExit) as e:
+    """The one line eval.py printed when it stopped (exit code 2), without its 'eval.py: error: ' prefix."""
+    from contextlib import redirect_stderr
+    from io import StringIO
+
+    err = StringIO()
+    with redirect_stderr(err), pytest.raises(SystemExit) as e:
         ev.main(["--model", model or str(tmp_path), "--output-dir", str(tmp_path / "out"), *argv])
-    assert isinstance(e.value.code, str), "a refusal carries its sentence"
-    return e.value.code
+    lines = err.getvalue().splitlines()
+    assert e.value.code == 2 and len(lines) == 1 and lines[0].startswith("eval.py: error: "), lines
+    return lines[0][len("eval.py: error: "):]
 
 
 # -----------------------------------------------------------------------------
@@ -44,7 +49,7 @@ def refusal(argv, tmp_path, model=None):
 ])
 def test_numeric_flags_are_range_checked(tmp_path, flag, value, rule):
     message = refusal(["--data", f"tiny={DATA}", flag, value], tmp_path)
-    assert message.startswith(f"{flag} must be {rule}, got ") and float(message.split()[-1].rstrip(".")) == float(value)
+    assert message.startswith(f"argument {flag}: must be {rule}, got ") and float(message.split()[-1]) == float(value)
     assert not (tmp_path / "out").exists()  # refused before anything was written
 
 
@@ -76,11 +81,12 @@ def test_eval_py_stands_alone():
     ("bad.jsonl", '{"problem": "1+1?", "answer": "2"}\n{"problem": "2+2?", "answer": 4\n',
      "{path}, line 2: not valid JSON"),
     ("null.jsonl", '{"problem": "1+1?", "answer": "2"}\n\n{"problem": "2+2?", "answer": null}\n',
-     "{path}, line 3: 'answer' is null."),
+     "{path}, row 2: 'answer' is None, not a string or a number."),
     ("nullproblem.json", '[{"problem": "1+1?", "answer": "2"}, {"problem": null, "answer": "4"}]',
-     "{path}, row 1: 'problem' is null."),
-    ("dict.json", '{"problem": "1+1?", "answer": "2"}', "{path} holds JSON that is not a list of objects"),
-    ("list.jsonl", '["1+1?", "2"]\n', "{path}, line 1: not a JSON object."),
+     "{path}, row 2: 'problem' is None, not a string or a number."),
+    ("scalar.json", '"1+1?"', "{path}: every row must be a JSON object."),
+    ("list.jsonl", '["1+1?", "2"]\n', "{path}: every row must be a JSON object."),
+    ("bool.jsonl", '{"problem": "1+1?", "answer": true}\n', "{path}, row 1: 'answer' is True, not a string or a number."),
     ("cols.jsonl", '{"question": "1+1?", "answer": "2"}\n', "{path} has no column 'problem'"),
 ])
 def test_bad_data_files_name_the_file_and_line(tmp_path, name, content, message):
@@ -96,7 +102,7 @@ def test_null_in_a_parquet_file_names_the_row(tmp_path):
     path = tmp_path / "b.parquet"
     pq.write_table(pa.Table.from_pylist([{"problem": "1+1?", "answer": "2"}, {"problem": "2+2?", "answer": None}]),
                    path)
-    assert f"{path}, row 1: 'answer' is null." in refusal(["--data", f"b={path}"], tmp_path)
+    assert f"{path}, row 2: 'answer' is None, not a string or a number." in refusal(["--data", f"b={path}"], tmp_path)
 
 
 @pytest.mark.parametrize("suffix", [".jsonl", ".json", ".parquet", ".json-lines"])
@@ -122,10 +128,19 @@ def test_local_benchmark_files(tmp_path, suffix):
 # -----------------------------------------------------------------------------
 # Model and adapter
 
-@pytest.mark.parametrize("model", ["/no/such/model", "./runs/typo", "Qwen3-1.7B"])
-def test_mistyped_model_fails_in_one_sentence(tmp_path, model):
+@pytest.mark.parametrize("model", ["/no/such/model", "./runs/typo", "tests/no-such-model"])
+def test_mistyped_model_fails_in_one_sentence(tmp_path, model, monkeypatch):
+    monkeypatch.chdir(ROOT)  # tests/ exists here, so tests/no-such-model names a local path, as opsd.py reads it
     message = refusal(["--data", f"tiny={DATA}"], tmp_path, model=model)
-    assert message == f"--model {model}: no such directory, and not a hub id of the form owner/name."
+    assert message == f"--model {model}: no such directory."
+
+
+def test_a_bare_hub_id_is_a_hub_id_for_both_scripts():
+    import opsd
+
+    # one rule: a name like gpt2 or Qwen3-1.7B is a hub id (opsd.py's rule, now eval.py's); paths look like paths
+    assert not opsd.local_path("gpt2") and not opsd.local_path("Qwen/Qwen3-1.7B")
+    assert opsd.local_path("./model") and opsd.local_path("/abs/model") and opsd.local_path("a/b/c")
 
 
 def test_adapter_without_weights_is_refused(tmp_path):
@@ -225,9 +240,9 @@ def test_model_fingerprint_follows_its_definition(tmp_path):
     bins = fake_model(tmp_path / "b", [2 * 2**20], suffix=".bin")  # no safetensors: the .bin files count
     assert ev.model_fingerprint(str(bins)) == fingerprint_by_definition(bins)
     assert ev.model_fingerprint(str(tmp_path / "empty")) is None  # no such directory: nothing to fingerprint
-    import opsd  # a resumed training run checks the same fingerprint: the two scripts keep their own copies
-    for directory in (model, bins):
-        assert opsd.model_fingerprint(str(directory)) == fingerprint_by_definition(directory)
+    import opsd  # one definition: a resumed training run and the evaluation check the same fingerprint
+
+    assert ev.model_fingerprint is opsd.model_fingerprint
 
 
 def test_model_fingerprint_sees_the_sampled_bytes_and_the_sizes(tmp_path):

@@ -85,8 +85,8 @@ def test_ema_teacher_is_the_model_with_the_ema_adapter_and_leaves_the_student_al
 def test_skip_first_tokens_is_the_loss_restricted_by_hand(tiny_model_dir):
     skip, kw = 2, dict(temperature=1.1, clip="none", tau=0.05)  # unclipped: every position counts with its own value
     model, params = lora_model(tiny_model_dir)
-    loss, stats, first = opsd.backward_step(model, params, STUDENT, TEACHER, COMPLETIONS, pad_id=0, micro_batch_size=2,
-                                            teacher="base", skip_first_tokens=skip, **kw)
+    loss, stats = opsd.backward_step(model, params, STUDENT, TEACHER, COMPLETIONS, pad_id=0, micro_batch_size=2,
+                                     teacher="base", skip_first_tokens=skip, **kw)
     grads = [p.grad.clone() for p in params]
     # by hand: one sequence at a time, no padding, full logits from the model's own forward
     ref_model, ref_params = lora_model(tiny_model_dir)
@@ -103,9 +103,14 @@ def test_skip_first_tokens_is_the_loss_restricted_by_hand(tiny_model_dir):
     for g, p in zip(grads, ref_params):
         torch.testing.assert_close(g, p.grad, atol=1e-6, rtol=1e-4)
     # the diagnostics still cover every position, first tokens included
-    assert len(stats) == sum(map(len, COMPLETIONS)) and len(first) == 3
-    unskipped, _, _ = opsd.backward_step(*lora_model(tiny_model_dir)[:2], STUDENT, TEACHER, COMPLETIONS, pad_id=0,
-                                         micro_batch_size=2, teacher="base", **kw)
+    assert len(stats.kl) == len(stats.logprob) == sum(map(len, COMPLETIONS))
+    # the first-token KL: each completion's first position, found from the completions' lengths alone
+    firsts = [sum(map(len, COMPLETIONS[:i])) for i, c in enumerate(COMPLETIONS) if c]  # by hand
+    sums = opsd.diagnostic_sums(stats, [[0.0] * len(c) for c in COMPLETIONS], tau=0.05)
+    assert sums["first_tokens"] == len(firsts) and sums["first_kl"] == pytest.approx(float(stats.kl[firsts].sum()))
+    assert sums["tokens"] == len(stats.kl) and sums["kl"] == pytest.approx(float(stats.kl.sum()), rel=1e-6)
+    unskipped, _ = opsd.backward_step(*lora_model(tiny_model_dir)[:2], STUDENT, TEACHER, COMPLETIONS, pad_id=0,
+                                      micro_batch_size=2, teacher="base", **kw)
     assert abs(unskipped - loss) > 1e-4  # the skip changed something
 
 
@@ -125,15 +130,17 @@ def test_hard_selection_by_hand(tmp_path, capsys):
 
 def test_hard_selection_checks_every_row(tmp_path, capsys):
     good = {"problem": "p", "solution": "s", "source": "amc", "generated_token_count": 10}
-    for bad, shown in [({"source": "amc"}, "'amc' and None"), ({"generated_token_count": "12"}, "None and '12'"),
-                       ({"source": None, "generated_token_count": 5}, "None and 5")]:
+    for bad, shown in [({"source": "amc"}, "'generated_token_count' is None, not a number"),
+                       ({"generated_token_count": "12"}, "'source' is None, not a string"),
+                       ({"source": "amc", "generated_token_count": "12"}, "'generated_token_count' is '12', not a number"),
+                       ({"source": None, "generated_token_count": 5}, "'source' is None, not a string"),
+                       ({"source": "amc", "generated_token_count": True}, "'generated_token_count' is True, not a number")]:
         path = tmp_path / "d.jsonl"
         third = {**{k: v for k, v in good.items() if k not in ("source", "generated_token_count")}, **bad}
         path.write_text("".join(json.dumps(r) + "\n" for r in [good, good, third]))
         with pytest.raises(SystemExit):
             opsd.load_rows(str(path), "train", "problem", "solution", "hard")
-        assert (f"--data-select hard: --dataset {path}, row 3 needs a string 'source' and a number "
-                f"'generated_token_count', not {shown}.") in capsys.readouterr().err
+        assert capsys.readouterr().err == f"opsd.py: error: --dataset {path}, row 3: {shown}.\n"
 
 
 # -- all together under torchrun, with wandb offline, killed and resumed -------------------------

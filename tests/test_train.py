@@ -45,9 +45,9 @@ def lora_model(model_dir):
 
 def step_gradients(model_dir, rows, micro_batch_size):
     model, params = lora_model(model_dir)
-    loss, _, _ = opsd.backward_step(model, params, [STUDENT[i] for i in rows], [TEACHER[i] for i in rows],
-                                    [COMPLETIONS[i] for i in rows], pad_id=0, micro_batch_size=micro_batch_size,
-                                    teacher="base", temperature=1.1, clip="token", tau=0.05)
+    loss, _ = opsd.backward_step(model, params, [STUDENT[i] for i in rows], [TEACHER[i] for i in rows],
+                                 [COMPLETIONS[i] for i in rows], pad_id=0, micro_batch_size=micro_batch_size,
+                                 teacher="base", temperature=1.1, clip="token", tau=0.05)
     return loss, [p.grad.clone() for p in params]
 
 
@@ -195,8 +195,10 @@ def test_sigkill_after_a_checkpoint_then_resume_gives_the_same_adapter_and_metri
 def test_checkpoint_holds_what_a_resume_needs_and_restoring_leaves_the_rng_alone(entry_run, tiny_model_dir):
     out, _ = entry_run
     state = torch.load(out / "checkpoint-2" / "trainer_state.pt", weights_only=True)
-    assert set(state) == {"step", "optimizer", "kl_window", "fingerprint"} and state["step"] == 2
-    assert set(state["fingerprint"]) == {"prompts", "prompt_ids_sha256", "model", "device"}
+    assert set(state) == {"step", "optimizer", "kl_window"} and state["step"] == 2
+    recorded = json.loads((out / "args.json").read_text())  # the flags and the run fingerprint, recorded once
+    assert set(recorded["fingerprint"]) == {"prompts", "prompt_ids_sha256", "model", "device"}
+    assert recorded["fingerprint"]["device"] == "cpu" and recorded["clip"] == "entry"
     assert [w["tokens"] for w in state["kl_window"]] == [r["completion_len_mean"] * 4 for r in metrics(out)[:2]]
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
     params = opsd.add_lora(model, r=64, alpha=128)
@@ -216,6 +218,11 @@ def test_output_dir_and_resume_refusals(tiny_model_dir, entry_run, tmp_path):
     shutil.copytree(finished, unfinished, ignore=shutil.ignore_patterns("final"))
     (tmp_path / "no-checkpoint").mkdir()
     (tmp_path / "no-checkpoint" / "args.json").write_text((finished / "args.json").read_text())
+    older = tmp_path / "older"  # a run written by an opsd.py that kept the fingerprint in its checkpoints
+    shutil.copytree(unfinished, older)
+    flags = json.loads((older / "args.json").read_text())
+    del flags["fingerprint"]
+    (older / "args.json").write_text(json.dumps(flags))
     same = ["--clip", "entry", "--save-every", "2", "--max-steps", "5", "--prompts-per-step", "4",
             "--micro-batch-size", "1", "--max-new-tokens", "32", "--dtype", "float32", "--log-rollouts-every", "2"]
     cases = [
@@ -227,6 +234,7 @@ def test_output_dir_and_resume_refusals(tiny_model_dir, entry_run, tmp_path):
          f"--resume with other --clip, --max-steps, --lr than the run in {unfinished} would change its results"),
         (["--output-dir", str(tmp_path / "no-checkpoint"), "--resume", *same], "holds no checkpoint yet"),
         (["--output-dir", str(tmp_path / "empty"), "--resume", *same], "holds no run to resume"),
+        (["--output-dir", str(older), "--resume", *same], f"--resume: {older / 'args.json'} records no run fingerprint"),
     ]
     base = [sys.executable, str(ROOT / "opsd.py"), "--model", tiny_model_dir, "--dataset", str(DATA), "--device", "cpu"]
     for extra, message in cases:
@@ -269,9 +277,7 @@ def test_run_fingerprint_follows_contents_not_names(tiny_model_dir, tmp_path):
     data[5 * (len(data) - 2**16) // 15 + 100] ^= 1  # one bit inside the 6th of the 16 sampled 64 KiB blocks
     weights.write_bytes(bytes(data))
     assert opsd.run_fingerprint(args, prompts, torch.device("cpu"))["model"] != base["model"]
-    import eval as ev  # the evaluation records the same fingerprint, so the two agree on what "the model" is
-
-    assert opsd.model_fingerprint(str(copy)) == ev.model_fingerprint(str(copy))
+    assert opsd.run_fingerprint(args, prompts, torch.device("cpu"))["model"] == opsd.model_fingerprint(str(copy))
 
 
 def test_resume_refuses_other_contents_and_drops_half_written_records(entry_run, tiny_model_dir, tmp_path):
@@ -279,15 +285,16 @@ def test_resume_refuses_other_contents_and_drops_half_written_records(entry_run,
     same = ["--clip", "entry", "--max-steps", "5", "--save-every", "2"]
     out = tmp_path / "run"
     shutil.copytree(reference, out, ignore=shutil.ignore_patterns("final", "checkpoint-4"))
-    state_path = out / "checkpoint-2" / "trainer_state.pt"
-    state = torch.load(state_path, weights_only=True)
-    torch.save({**state, "fingerprint": {**state["fingerprint"], "device": "cuda", "prompts": 99}}, state_path)
+    args_path = out / "args.json"
+    recorded = json.loads(args_path.read_text())
+    prints = recorded["fingerprint"]
+    args_path.write_text(json.dumps({**recorded, "fingerprint": {**prints, "device": "cuda", "prompts": 99}}))
     proc = subprocess.run(opsd_command(tiny_model_dir, out, *same, "--resume", nproc=1), capture_output=True,
                           text=True, timeout=300, cwd=ROOT)
     assert proc.returncode != 0 and "opsd.py\", line" not in proc.stderr  # torchrun's own report aside
-    assert proc.stderr.count(f"--resume: the number of prompts (99 -> {state['fingerprint']['prompts']}), the device "
+    assert proc.stderr.count(f"--resume: the number of prompts (99 -> {prints['prompts']}), the device "
                              f"type (cuda -> cpu) changed since {out / 'checkpoint-2'} was written") == 1, proc.stderr
-    torch.save(state, state_path)
+    args_path.write_text(json.dumps(recorded))
     # what a kill leaves: records of steps after the checkpoint, and a line cut in the middle of a write
     for name in ("metrics.jsonl", "rollouts.jsonl"):
         with open(out / name, "a") as f:
