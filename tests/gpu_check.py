@@ -302,8 +302,8 @@ def random_batch(s, batch, prompt_len, completion_len, seed):
 def train_step(model, lora_params, optimizer, batch, micro_batch, lr, chunk_size):
     """One optimizer step as opsd.main takes it: backward_step (world of one), gradient clip, AdamW."""
     student, teacher, completions = batch
-    loss, _, _ = opsd.backward_step(model, lora_params, student, teacher, completions, pad_id=0,
-                                    micro_batch_size=micro_batch, teacher="base", chunk_size=chunk_size, **LOSS_KW)
+    loss, _ = opsd.backward_step(model, lora_params, student, teacher, completions, pad_id=0,
+                                 micro_batch_size=micro_batch, teacher="base", chunk_size=chunk_size, **LOSS_KW)
     grad_norm = torch.nn.utils.clip_grad_norm_(lora_params, 0.1).item()
     for group in optimizer.param_groups:
         group["lr"] = lr
