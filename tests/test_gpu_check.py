@@ -206,7 +206,7 @@ BREAKING = textwrap.dedent("""
         raise RuntimeError("backward broken on purpose")
 
     def left_padded(prompts, completions, pad_id, device, attend_pads=False):
-        # the released builder: [left pads | prompt | completion | right pads], positions cumsum - 1; with
+        # opsd.py's former builder: [left pads | prompt | completion | right pads], positions cumsum - 1; with
         # attend_pads, a mask that lets every token see the pads too
         P, L = max(map(len, prompts)), max(map(len, completions))
         input_ids = torch.full((len(prompts), P + L), pad_id, dtype=torch.long)
