@@ -344,11 +344,6 @@ class PositionStats(NamedTuple):
     clipped_mass: torch.Tensor  # teacher mass on entries the entry clip clamps: p_T(v) (log p_T(v) - log p_S(v)) > tau
     logprob: torch.Tensor  # the student's raw log-prob of the sampled token (temperature 1, vLLM's convention)
 
-    @staticmethod
-    def cat(parts, device):
-        empty = [torch.zeros(0, device=device)] * 3
-        return PositionStats(*(torch.cat(ts) for ts in zip(*parts))) if parts else PositionStats(*empty)
-
 @torch.no_grad()
 def divergence_stats(student_logits, teacher_logits, targets, *, temperature, tau):
     """PositionStats of C positions from their (C, V) logits and the sampled tokens (C,)."""
@@ -428,7 +423,7 @@ def opsd_loss(student_hidden, student_mask, teacher_hidden, teacher_mask, lm_hea
         loss = loss + (surrogate - surrogate.detach())
     if targets is None:
         return loss, None
-    return loss, PositionStats.cat(stats, hs.device)
+    return loss, PositionStats(*map(torch.cat, zip(*stats))) if stats else PositionStats(*[hs.new_zeros(0)] * 3)
 
 # -----------------------------------------------------------------------------
 # LR schedule: linear warmup, then a cosine decay to --min-lr
@@ -523,7 +518,7 @@ def backward_step(model, lora_params, student_prompts, teacher_prompts, completi
     for p, g in zip(lora_params, grads.split([p.numel() for p in lora_params])):
         p.grad.copy_(g.view_as(p))
     loss_value = float(all_reduce(torch.tensor(loss_sum, device=device)))
-    return loss_value, PositionStats.cat(stats, device)
+    return loss_value, PositionStats(*map(torch.cat, zip(*stats)))  # one PositionStats per micro-batch, joined
 
 # =============================================================================
 # PART 2: THE RUN
