@@ -15,7 +15,8 @@ whose prompt also holds a reference solution. Each optimizer step:
   4. the merged LoRA weights are pushed into the running vLLM engine in place, and read back.
 
 Departures from the released recipe (README.md's section of that name says what each fixes):
-  1. Left padding with positions from the attention mask: each answer token at the position vLLM sampled it at.
+  1. Each row is [prompt | answer | pads], positions from the attention mask: each answer token at the position
+     vLLM sampled it at, and no attention row without a key.
   2. Prompts reach vLLM as token ids, never decoded and re-encoded.
   3. LoRA merged out of place for vLLM: the base weights (the fixed teacher) never change.
   4. Softmax and KL in float32, in chunks from hidden states, normalised by the step's token count over
@@ -238,22 +239,25 @@ def merged_weights(model):
 
 
 # -----------------------------------------------------------------------------
-# Batches: [left pads | prompt | completion | right pads], the prompt flush against the completion
+# Batches: [prompt | completion | pads] per row, the prompt flush against its completion
 
 def build_batch(prompts, completions, pad_id, device):
-    """Model inputs for one micro-batch, and the mask of completion tokens (B, P + L). Left padding puts every
-    prompt's last token in column P - 1, so student and teacher batches score a completion at the same columns.
-    Positions come from the attention mask (cumsum - 1): each token sits at the position vLLM sampled it at."""
-    P, L = max(map(len, prompts)), max(map(len, completions))
-    input_ids = torch.full((len(prompts), P + L), pad_id, dtype=torch.long)
+    """Model inputs for one micro-batch, and the mask of completion tokens (B, T). Each row starts at column 0 and is
+    padded only at its end. Positions come from the attention mask (cumsum - 1): each token sits at the position
+    vLLM sampled it at. Why pads go last: a left pad would be a query row whose every key is masked, for which some
+    CUDA attention kernels return NaN, and the next layer spreads it to real tokens (0 x NaN); here every query row
+    sees at least itself, and no real token sees a pad (pads come after it). The completion columns differ per row;
+    a completion's tokens are selected in order, row after row, so student and teacher batches select alike."""
+    T = max(len(p) + len(c) for p, c in zip(prompts, completions))
+    input_ids = torch.full((len(prompts), T), pad_id, dtype=torch.long)
     attention_mask = torch.zeros_like(input_ids)
     completion_mask = torch.zeros_like(input_ids, dtype=torch.bool)
     for row, (prompt, completion) in enumerate(zip(prompts, completions)):
-        input_ids[row, P - len(prompt):P] = torch.tensor(prompt)
-        input_ids[row, P:P + len(completion)] = torch.tensor(completion)
-        attention_mask[row, P - len(prompt):P + len(completion)] = 1
-        completion_mask[row, P:P + len(completion)] = True
-    position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)  # (B, P + L)
+        P, L = len(prompt), len(completion)
+        input_ids[row, :P + L] = torch.tensor(prompt + completion)
+        attention_mask[row, :P + L] = 1
+        completion_mask[row, P:P + L] = True
+    position_ids = attention_mask.cumsum(-1) - 1  # (B, T) 0 .. P + L - 1 on real tokens, then constant on pads
     inputs = dict(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids)
     return {k: v.to(device) for k, v in inputs.items()}, completion_mask.to(device)
 
