@@ -228,7 +228,7 @@ def answer_ids(tok, text):
 # Pre-training: each training problem in four formats, a fresh writer's trace each time one is drawn
 
 FORMATS = ("student", "transfer", "teacher", "teacher_empty")
-PRETRAIN = {"steps": 600, "batch_size": 64, "lr": 2e-3, "warmup": 30}
+PRETRAIN = {"steps": 1200, "batch_size": 64, "lr": 2e-3, "warmup": 30}
 
 
 def pretrain_example(tok, row, fmt, rng, teacher_terse=0.0):
@@ -256,6 +256,21 @@ def right_padded(batch, pad_id):
         labels[row, len(prompt):len(prompt) + len(answer)] = torch.tensor(answer)
         attention_mask[row, :len(prompt) + len(answer)] = 1
     return input_ids, attention_mask, labels
+
+
+def batch_loss(model, batch, pad_id):
+    """The mean next-token loss over all answer tokens of the batch, computed in one forward per prompt length
+    (the teacher's prompt is 3x the student's: padding every row to it would waste half the compute)."""
+    groups = {}
+    for example in batch:
+        groups.setdefault(len(example[0]), []).append(example)
+    total, count = 0.0, sum(len(a) for _, a in batch)
+    for group in groups.values():
+        input_ids, attention_mask, labels = right_padded(group, pad_id)
+        logits = model(input_ids=input_ids, attention_mask=attention_mask).logits[:, :-1]
+        total = total + torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), labels[:, 1:].flatten(),
+                                                          ignore_index=-100, reduction="sum")
+    return total / count
 
 
 @torch.no_grad()
@@ -288,8 +303,7 @@ def pretrain(out_dir, train, dev, heldout, *, seed, steps=PRETRAIN["steps"], tea
         picks = torch.randint(len(train) * len(FORMATS), (bs,), generator=g).tolist()  # an equal mix of formats
         batch = [pretrain_example(tok, train[k // len(FORMATS)], FORMATS[k % len(FORMATS)], rng, teacher_terse)
                  for k in picks]
-        input_ids, attention_mask, labels = right_padded(batch, tok.pad_token_id)
-        loss = model(input_ids=input_ids, attention_mask=attention_mask, labels=labels).loss
+        loss = batch_loss(model, batch, tok.pad_token_id)
         for group in optimizer.param_groups:
             group["lr"] = opsd.lr_at(step, lr=lr, max_steps=steps, warmup_steps=PRETRAIN["warmup"])
         loss.backward()
@@ -378,3 +392,882 @@ def acceptance_figures(model, tok, dev):
     figures["teacher_no_scratchpad"] = sum(not has_scratchpad(t) for t in greedy_texts["teacher"]) / len(dev)
     figures["example_student_greedy"] = greedy_texts["student"][:3]
     return {k: round(v, 4) if isinstance(v, float) else v for k, v in figures.items()}
+
+
+# -----------------------------------------------------------------------------
+# The arms. opsd.py's through its command line; sft-reference, sft-trace and grpo here, from opsd.py's parts.
+
+TAU_GRID = (0.005, 0.05, 0.5)  # the tau sweep's decade grid, fixed in advance
+# arm: (kind, settings). opsd: (--clip, --tau, --context-column); sft: the target column; grpo: none
+ARMS = {
+    "token": ("opsd", ("token", 0.05, "solution")),
+    "none": ("opsd", ("none", 0.05, "solution")),  # tau only sets the diagnostic's threshold here
+    "entry": ("opsd", ("entry", 0.05, "solution")),
+    **{f"{clip}@{tau:g}": ("opsd", (clip, tau, "solution")) for clip in ("token", "entry") for tau in TAU_GRID
+       if tau != 0.05},
+    "sft-reference": ("sft", "reference_answer"),
+    "sft-trace": ("sft", "trace"),
+    "grpo": ("grpo", None),
+    "wrong": ("opsd", ("none", 0.05, "wrong_solution")),
+    "control": ("opsd", ("none", 0.05, "no_solution")),
+}
+OPSD_ARMS = [a for a, (kind, _) in ARMS.items() if kind == "opsd" and a not in ("wrong", "control")]
+# the lr family of each arm (tests/miniature.md, "Learning rates")
+FAMILY = {arm: arm.split("@")[0] if arm not in ("wrong", "control") else "none" for arm in ARMS}
+LR_GRID = (2e-3, 5e-3, 1.25e-2)
+# each family's lr as chosen on dev (selection.json in tests/data/miniature/selection); a family not yet chosen
+# trains at PROVISIONAL_LR and results.json says so
+CHOSEN_LR = {}
+PROVISIONAL_LR = 5e-3
+HEADLINE_ARMS = ("token", "none", "sft-reference", "sft-trace", "grpo")  # the default command's
+FIVE_SEED_ARMS = ("token", "none", "sft-reference", "sft-trace", "grpo")
+QUICK_ARM, QUICK_STEPS = "none", 40
+
+STEPS, WARMUP = 150, 10
+LORA_R, LORA_ALPHA, COMPLETIONS_PER_STEP, MAX_GRAD_NORM, MAX_NEW_TOKENS = 16, 32, 64, 0.1, 48
+GRPO_PROMPTS, GRPO_GROUP = 8, 8  # 8 prompts x 8 samples = COMPLETIONS_PER_STEP
+OPSD_FLAGS = ["--device", "cpu", "--dtype", "float32", "--lora-r", str(LORA_R), "--lora-alpha", str(LORA_ALPHA),
+              "--prompts-per-step", str(COMPLETIONS_PER_STEP), "--micro-batch-size", str(COMPLETIONS_PER_STEP),
+              "--max-new-tokens", str(MAX_NEW_TOKENS), "--max-prompt-length", "256", "--no-gradient-checkpointing",
+              "--max-grad-norm", str(MAX_GRAD_NORM), "--warmup-steps", str(WARMUP), "--log-rollouts-every", "25",
+              "--kl-window", "512"]
+TIMING_FIELDS = ("time_sample", "time_train", "time_push", "tokens_per_second")
+EVAL_N = 2
+
+
+def lr_of(arm):
+    return CHOSEN_LR.get(FAMILY[arm], PROVISIONAL_LR)
+
+
+def opsd_has_student_prompt():
+    """Whether this opsd.py has --student-prompt (the student in eval.py's prompt), which the opsd.py arms need."""
+    import inspect
+
+    return "--student-prompt" in inspect.getsource(opsd.parse_args)
+
+
+def opsd_command(model_dir, train_file, arm, seed, steps, lr, out_dir, save_every=0):
+    """opsd.py's command line for one arm and seed."""
+    clip, tau, context = ARMS[arm][1]
+    return [sys.executable, str(ROOT / "opsd.py"), "--model", str(model_dir), "--dataset", str(train_file),
+            "--clip", clip, "--tau", str(tau), "--context-column", context, "--max-steps", str(steps),
+            "--lr", str(lr), "--seed", str(seed), "--save-every", str(save_every), "--output-dir", str(out_dir),
+            *OPSD_FLAGS, *STUDENT_FLAGS]
+
+
+def run_logged(cmd, log_path, env=None):
+    """Run a command with its output in log_path; stop with the log's tail if it fails."""
+    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"), **(env or {})}
+    t0 = time.perf_counter()
+    with open(log_path, "w") as log:
+        proc = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT, env=env)
+    if proc.returncode != 0:
+        tail = "".join(Path(log_path).read_text().splitlines(keepends=True)[-30:])
+        raise SystemExit(f"{tail}\nthis command failed (exit {proc.returncode}), full log in {log_path}:\n"
+                         + " ".join(map(str, cmd)))
+    return time.perf_counter() - t0
+
+
+def sft_target(row, column):
+    if column == "reference_answer":  # the terse reference, then the boxed answer: what OPSD's teacher is shown
+        return f"{row['solution']} \\boxed{{{row['answer']}}}"
+    return row[column]
+
+
+def load_student(model_dir, seed):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    opsd.disable_dropout(model)
+    lora_params = opsd.add_lora(model, LORA_R, LORA_ALPHA, seed=seed)
+    model.train()
+    return tok, model, lora_params
+
+
+def train_sft(model_dir, train, column, seed, steps, lr, out_dir, save_every=0):
+    """Supervised fine-tuning on sft_target(row, column) and EOS after the student's prompt: opsd.py's LoRA (rank,
+    alpha, A seeded by `seed`), data order (step_indices, 64 prompts a step), AdamW, gradient clip and LR schedule
+    (warmup, cosine), the loss a token mean over the step's target tokens. Writes checkpoint-<step>/ every
+    `save_every` steps, final/ and metrics.jsonl (with the seconds of each step), as opsd.py does."""
+    torch.manual_seed(seed)  # nothing here draws from it; fixed anyway
+    tok, model, lora_params = load_student(model_dir, seed)
+    prompts = [student_prompt(tok, r["problem"]) for r in train]
+    targets = [answer_ids(tok, sft_target(r, column)) for r in train]
+    optimizer = torch.optim.AdamW(lora_params, lr=lr, betas=(0.9, 0.999), weight_decay=0.0)  # opsd.py's
+    out_dir.mkdir(parents=True, exist_ok=True)
+    with open(out_dir / "metrics.jsonl", "w") as log:
+        for step in range(steps):
+            t0 = time.perf_counter()
+            indices = opsd.step_indices(step, COMPLETIONS_PER_STEP, len(prompts), seed)
+            inputs, mask = opsd.build_batch([prompts[i] for i in indices], [targets[i] for i in indices],
+                                            tok.pad_token_id, "cpu")
+            logits = model(**inputs, use_cache=False).logits[:, :-1]  # (B, T - 1, V): position t predicts t + 1
+            loss = torch.nn.functional.cross_entropy(logits[mask[:, 1:]].float(),
+                                                     inputs["input_ids"][:, 1:][mask[:, 1:]])
+            loss.backward()
+            grad_norm = torch.nn.utils.clip_grad_norm_(lora_params, MAX_GRAD_NORM).item()
+            lr_now = opsd.lr_at(step, lr=lr, max_steps=steps, warmup_steps=WARMUP)
+            for group in optimizer.param_groups:
+                group["lr"] = lr_now
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            log.write(json.dumps({"step": step + 1, "loss": loss.item(), "lr": lr_now, "grad_norm": grad_norm,
+                                  "time_train": time.perf_counter() - t0}) + "\n")
+            if save_every and (step + 1) % save_every == 0 and step + 1 < steps:
+                opsd.save_adapter(model, out_dir / f"checkpoint-{step + 1}", model_dir)
+    opsd.save_adapter(model, out_dir / "final", model_dir)
+
+
+def group_advantages(rewards, group):
+    """GRPO's advantages: (r - mean of its group) / (std of its group + 1e-4), groups of `group` in order."""
+    r = torch.tensor(rewards, dtype=torch.float64).view(-1, group)
+    return ((r - r.mean(-1, keepdim=True)) / (r.std(-1, unbiased=False, keepdim=True) + 1e-4)).flatten()
+
+
+def grpo_loss(model, prompts, completions, advantages, pad_id, temperature):
+    """-sum over all completion tokens of advantage x log p(token) at the sampling temperature / their number."""
+    inputs, mask = opsd.build_batch(prompts, completions, pad_id, "cpu")
+    logits = model(**inputs, use_cache=False).logits[:, :-1][mask[:, 1:]].float() / temperature  # (N, V)
+    targets = inputs["input_ids"][:, 1:][mask[:, 1:]]  # (N,) row after row, in order
+    logp = torch.log_softmax(logits, -1).gather(-1, targets[:, None])[:, 0]  # (N,)
+    per_token = torch.repeat_interleave(advantages.float(), torch.tensor([len(c) for c in completions]))
+    return -(per_token * logp).sum() / max(len(targets), 1)
+
+
+def grpo_args(model_dir, train_file, seed, steps, lr):
+    """opsd.py's parsed settings for the engine and the sampler (its defaults: temperature 1.1, top-p 0.95,
+    top-k 20), with the miniature's flags."""
+    return opsd.parse_args(["--model", str(model_dir), "--dataset", str(train_file), "--seed", str(seed),
+                            "--max-steps", str(steps), "--lr", str(lr), *OPSD_FLAGS])
+
+
+def train_grpo(model_dir, train_file, seed, steps, lr, out_dir, save_every=0):
+    """GRPO from opsd.py's parts: its LoRA (seeded init), vLLM engine, seeded sampling, checked weight push and LR
+    schedule. Each step: GRPO_PROMPTS prompts of opsd.py's data order (step_indices), GRPO_GROUP samples each
+    (one seed per request, as opsd.py draws them), reward 1 when the last boxed answer equals the reference's,
+    one on-policy update of grpo_loss. Writes metrics.jsonl (reward, sampled tokens, seconds), checkpoints every
+    `save_every` steps and final/."""
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    args = grpo_args(model_dir, train_file, seed, steps, lr)
+    rows = [json.loads(line) for line in Path(train_file).read_text().splitlines()]
+    tok, model, lora_params = load_student(model_dir, seed)
+    prompts = [student_prompt(tok, r["problem"]) for r in rows]
+    optimizer = torch.optim.AdamW(lora_params, lr=lr, betas=(0.9, 0.999), weight_decay=0.0)
+    llm = opsd.start_engine(args, 0, 1, torch.device("cpu"))
+    out_dir.mkdir(parents=True, exist_ok=True)
+    with open(out_dir / "metrics.jsonl", "w") as log:
+        for step in range(steps):
+            t0 = time.perf_counter()
+            indices = [i for i in opsd.step_indices(step, GRPO_PROMPTS, len(prompts), seed) for _ in range(GRPO_GROUP)]
+            seeds = [(seed * 1_000_003 + step * COMPLETIONS_PER_STEP + j) % 2**31 for j in range(len(indices))]
+            batch = [prompts[i] for i in indices]
+            completions, _ = opsd.sample(llm, batch, seeds, args)
+            rewards = [float(evaluation.extract_boxed(tok.decode(c, skip_special_tokens=True)) == rows[i]["answer"])
+                       for c, i in zip(completions, indices)]
+            t1 = time.perf_counter()
+            loss = grpo_loss(model, batch, completions, group_advantages(rewards, GRPO_GROUP), tok.pad_token_id,
+                             args.temperature)
+            loss.backward()
+            grad_norm = torch.nn.utils.clip_grad_norm_(lora_params, MAX_GRAD_NORM).item()
+            lr_now = opsd.lr_at(step, lr=lr, max_steps=steps, warmup_steps=WARMUP)
+            for group in optimizer.param_groups:
+                group["lr"] = lr_now
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            t2 = time.perf_counter()
+            time_push = opsd.push_weights(llm, model)
+            tokens = sum(map(len, completions))
+            log.write(json.dumps({"step": step + 1, "loss": loss.item(), "reward_mean": sum(rewards) / len(rewards),
+                                  "lr": lr_now, "grad_norm": grad_norm, "completion_len_mean": tokens / len(batch),
+                                  "sampled_tokens": tokens, "time_sample": t1 - t0, "time_train": t2 - t1,
+                                  "time_push": time_push}) + "\n")
+            log.flush()
+            if save_every and (step + 1) % save_every == 0 and step + 1 < steps:
+                opsd.save_adapter(model, out_dir / f"checkpoint-{step + 1}", model_dir)
+    opsd.save_adapter(model, out_dir / "final", model_dir)
+    opsd.stop_engine(llm)
+
+
+def train_arm(model_dir, files, train, arm, seed, steps, lr, out_dir, resume, save_every=0):
+    """Train one arm and seed into out_dir; returns (final adapter, seconds or None when kept from before). A
+    resumed opsd.py run continues from its last checkpoint; an unfinished SFT or GRPO run starts over."""
+    if resume and (out_dir / "final").is_dir():
+        return out_dir / "final", None
+    kind, setting = ARMS[arm]
+    t0 = time.perf_counter()
+    if kind == "sft":
+        shutil.rmtree(out_dir, ignore_errors=True)
+        train_sft(model_dir, train, setting, seed, steps, lr, out_dir, save_every)
+    elif kind == "grpo":  # its own process: its vLLM engine must not share one with the dev scorer's
+        shutil.rmtree(out_dir, ignore_errors=True)
+        out_dir.mkdir(parents=True)
+        job = {"model_dir": str(model_dir), "train_file": str(files["train"]), "seed": seed, "steps": steps,
+               "lr": lr, "out_dir": str(out_dir), "save_every": save_every}
+        run_logged([sys.executable, str(Path(__file__).resolve()), "--grpo-job", json.dumps(job)], log_path(out_dir))
+    else:
+        if not opsd_has_student_prompt():
+            raise SystemExit("this opsd.py has no --student-prompt: the opsd.py arms train the student in eval.py's "
+                             "prompt (opsd.py --student-prompt eval --no-student-thinking).")
+        cmd = opsd_command(model_dir, files["train"], arm, seed, steps, lr, out_dir, save_every)
+        resumable = resume and opsd.latest_checkpoint(out_dir) is not None
+        run_logged(cmd + ["--resume" if resumable else "--overwrite"],
+                   log_path(out_dir, "resumed" if resumable else ""))
+    return out_dir / "final", time.perf_counter() - t0
+
+
+def log_path(run, tag=""):
+    """<run>.log next to the run's directory (<run>.<tag>.log for a resumed piece); not with_suffix: "@0.5"."""
+    return run.parent / f"{run.name}{'.' + tag if tag else ''}.log"
+
+
+def run_name(model_tag, arm, seed, lr=None):
+    slug = arm.replace("@", "-tau")
+    return f"{model_tag}-{slug}" + (f"-lr{lr:g}" if lr is not None else "") + f"-s{seed}"
+
+
+def read_metrics(run):
+    return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines() if line.strip()]
+
+
+# -----------------------------------------------------------------------------
+# Scoring. The reported scores: eval.py itself. Dev curves and the lr selection: one vLLM engine in this process
+# serving every checkpoint as a LoRA adapter, with eval.py's prompt, sampling settings, per-sample seeds and grading.
+
+
+def evaluate(model_dir, data_file, n, out_dir, adapter=None, thinking=False):
+    """eval.py's avg@n on one split (thinking off: the student's training prompt; on: the transfer prompt), the
+    samples' answers without a scratchpad, and the seconds it took (None when its summary was there already: then
+    eval.py only reads its samples back). An interrupted evaluation continues where it stopped."""
+    finished = (out_dir / "summary.json").is_file()
+    cmd = [sys.executable, str(ROOT / "eval.py"), "--model", str(model_dir), "--data", f"split={data_file}",
+           "--n", str(n), "--max-new-tokens", str(MAX_NEW_TOKENS), "--dtype", "float32", "--enforce-eager",
+           "--output-dir", str(out_dir), "--thinking" if thinking else "--no-thinking"]
+    cmd += ["--adapter", str(adapter)] if adapter else []
+    out_dir.mkdir(parents=True, exist_ok=True)
+    seconds = run_logged(cmd, log_path(out_dir, "resumed" if finished else ""))
+    avg = json.loads((out_dir / "summary.json").read_text())["metrics"]["split"][f"avg@{n}"]
+    samples = [json.loads(line) for line in (out_dir / "samples.jsonl").read_text().splitlines() if line.strip()]
+    no_pad = sum(not has_scratchpad(s["completion"]) for s in samples) / len(samples)
+    return {"avg": avg, "stderr": problem_stderr(samples, avg), "no_scratchpad": no_pad,
+            "tokens_mean": sum(s["tokens"] for s in samples) / len(samples), "seconds": None if finished else seconds}
+
+
+def problem_stderr(samples, avg):
+    per_problem = {}
+    for s in samples:
+        per_problem.setdefault(s["problem"], []).append(s["correct"])
+    means = [sum(c) / len(c) for c in per_problem.values()]
+    return (sum((m - avg) ** 2 for m in means) / max(len(means) - 1, 1) / len(means)) ** 0.5
+
+
+class DevScorer:
+    """avg@n of the base model or an adapter on a split, from one vLLM engine kept for the whole run."""
+
+    def __init__(self, model_dir):
+        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+        os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
+        from transformers import AutoTokenizer
+        from vllm import LLM
+
+        self.tok = AutoTokenizer.from_pretrained(model_dir)
+        self.llm = LLM(model=str(model_dir), dtype="float32", enforce_eager=True, seed=0, max_model_len=512,
+                       enable_lora=True, max_lora_rank=LORA_R, max_loras=1, enable_chunked_prefill=False,
+                       max_num_batched_tokens=8192, max_num_seqs=256)
+        self.adapters = 0
+
+    def score(self, rows, adapter=None, n=EVAL_N, thinking=False, seed=42):
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+        from vllm.lora.request import LoRARequest
+
+        lora = None
+        if adapter is not None:
+            self.adapters += 1  # a fresh id per adapter: vLLM caches adapters by id
+            lora = LoRARequest(f"adapter-{self.adapters}", self.adapters, str(Path(adapter).resolve()))
+        keys = [(i, j) for i in range(len(rows)) for j in range(n)]
+        prompts = [TokensPrompt(prompt_token_ids=evaluation.prompt_ids(self.tok, rows[i]["problem"], thinking))
+                   for i, _ in keys]
+        params = [SamplingParams(temperature=1.0, top_p=0.95, max_tokens=MAX_NEW_TOKENS,
+                                 seed=evaluation.sample_seed(seed, "split", i, j)) for i, j in keys]
+        outputs = self.llm.generate(prompts, params, lora_request=lora, use_tqdm=False)
+        texts = [o.outputs[0].text for o in outputs]
+        correct = [evaluation.is_correct(t, rows[i]["answer"]) for t, (i, _) in zip(texts, keys)]
+        return {"avg": sum(correct) / len(keys), "no_scratchpad": sum(not has_scratchpad(t) for t in texts) / len(keys),
+                "tokens_mean": sum(len(o.outputs[0].token_ids) for o in outputs) / len(keys)}
+
+
+def curve(scorer, dev, run, steps, every, base_score):
+    """[[step, sampled tokens so far, seconds so far, dev avg, no-scratchpad share]] from step 0 (the base model)
+    to `steps`, one point every `every` steps, from a run's checkpoints and metrics.jsonl."""
+    records = {r["step"]: r for r in read_metrics(run)}
+    points = [[0, 0, 0.0, base_score["avg"], base_score["no_scratchpad"]]]
+    tokens = seconds = 0.0
+    for step in range(1, steps + 1):
+        r = records[step]
+        tokens += r.get("sampled_tokens", r.get("completion_len_mean", 0) * COMPLETIONS_PER_STEP)
+        seconds += sum(r.get(k, 0.0) for k in ("time_sample", "time_train", "time_push"))
+        if step % every == 0 or step == steps:
+            adapter = run / ("final" if step == steps else f"checkpoint-{step}")
+            s = scorer.score(dev, adapter)
+            points.append([step, round(tokens), round(seconds, 1), s["avg"], s["no_scratchpad"]])
+    return points
+
+
+# -----------------------------------------------------------------------------
+# Statistics
+
+T_975 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262}  # Student t
+
+
+def mean_interval(values):
+    """(mean, half-width of the 95% t-interval over the values; None with one value)."""
+    k, mean = len(values), sum(values) / len(values)
+    if k < 2:
+        return mean, None
+    sem = (sum((v - mean) ** 2 for v in values) / (k - 1) / k) ** 0.5
+    return mean, T_975.get(k - 1, 1.96) * sem
+
+
+def summarize(values, base, base_stderr):
+    """Mean over seeds, the half-width of its 95% interval, and the difference to the base model with the
+    half-width of its interval (the seeds' and the base score's errors combined)."""
+    mean, half = mean_interval(values)
+    return {"mean": mean, "ci95": half, "vs_base": mean - base,
+            "vs_base_ci95": None if half is None else (half ** 2 + (1.96 * base_stderr) ** 2) ** 0.5}
+
+
+def paired(a_scores, b_scores, a_seeds, b_seeds):
+    """The paired difference a - b over the seeds both ran: per seed, mean, 95% t-interval."""
+    common = [s for s in a_seeds if s in b_seeds]
+    diffs = [a_scores[a_seeds.index(s)] - b_scores[b_seeds.index(s)] for s in common]
+    if not diffs:
+        return None
+    mean, half = mean_interval(diffs)
+    return {"seeds": common, "differences": diffs, "mean": mean, "ci95": half}
+
+
+def token_efficiency(curves, a, b):
+    """Sampled tokens (and seconds) arms a and b each need to first reach the lower of their final dev accuracies,
+    by linear interpolation between checkpoints; and the ratio b / a."""
+    if a not in curves or b not in curves:
+        return None
+    target = min(curves[a][-1][3], curves[b][-1][3])
+
+    def reach(points):
+        for (s0, t0, w0, acc0, _), (s1, t1, w1, acc1, _) in zip(points, points[1:]):
+            if acc1 >= target > acc0 or (acc0 >= target and s0 == 0):
+                f = 1.0 if acc1 == acc0 else (target - acc0) / (acc1 - acc0)
+                return t0 + f * (t1 - t0), w0 + f * (w1 - w0)
+        return None, None
+
+    (ta, wa), (tb, wb) = reach(curves[a]), reach(curves[b])
+    return {"arms": [a, b], "target_dev_avg": target, "tokens": [ta, tb], "seconds": [wa, wb],
+            "token_ratio": tb / ta if ta and tb else None, "seconds_ratio": wb / wa if wa and wb else None}
+
+
+def format_table(results, key="heldout_avg", title="held-out, in the training format"):
+    scores, stats = results[key], results["stats"][key]
+    w = max(14, *(len(arm) + 1 for arm in results["arms"]))
+    lines = [f"{title}: eval.py avg@{results['n']} in % ({results['problems']} problems); 95% intervals over seeds",
+             f"{'arm':<{w}}{'seeds':>6}{'mean':>7}{'95% interval':>15}{'vs base':>17}   per seed",
+             f"{'base':<{w}}{'':>6}{100 * scores['base']:>7.1f}"]
+    for arm in results["arms"]:
+        s = stats[arm]
+        interval = f"{100 * (s['mean'] - s['ci95']):.1f}..{100 * (s['mean'] + s['ci95']):.1f}" if s["ci95"] else "-"
+        diff = f"{100 * s['vs_base']:+.1f}" + (f" +- {100 * s['vs_base_ci95']:.1f}" if s["vs_base_ci95"] else "")
+        per_seed = "  ".join(f"{100 * v:.1f}" for v in scores[arm])
+        lines.append(f"{arm:<{w}}{len(scores[arm]):>6}{100 * s['mean']:>7.1f}{interval:>15}{diff:>17}   {per_seed}")
+    return "\n".join(lines)
+
+
+# -----------------------------------------------------------------------------
+# Figures
+
+COLORS = {"token": "tab:blue", "none": "tab:green", "entry": "tab:orange", "token@0.005": "tab:cyan",
+          "token@0.5": "navy", "entry@0.005": "gold", "entry@0.5": "tab:olive", "sft-reference": "tab:red",
+          "sft-trace": "tab:purple", "grpo": "black", "wrong": "tab:brown", "control": "tab:gray"}
+
+
+def plot(results, path):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    arms, primary, transfer = results["arms"], results["heldout_avg"], results["transfer_avg"]
+    fig, axes = plt.subplots(1, 3, figsize=(17, 4.8))
+    left = axes[0]
+    left.axhline(100 * primary["base"], color="black", linestyle="--", label="base, training format")
+    left.axhline(100 * transfer["base"], color="gray", linestyle=":", label="base, transfer")
+    for x, arm in enumerate(arms):
+        values = [100 * v for v in primary[arm]]
+        left.bar(x, sum(values) / len(values), color=COLORS[arm], alpha=0.5)
+        left.scatter([x] * len(values), values, color=COLORS[arm], zorder=3, s=12)
+        moved = [100 * v for v in transfer[arm]]
+        left.scatter([x + 0.25] * len(moved), moved, color=COLORS[arm], marker="x", zorder=3, s=14)
+    left.set_xticks(range(len(arms)), arms, rotation=40, ha="right", rotation_mode="anchor")
+    left.set_ylabel(f"held-out avg@{results['n']} (%)")
+    seeds = "one seed" if all(len(primary[a]) == 1 for a in arms) else "bars: mean over seeds, dots: seeds"
+    left.set_title(f"in the training format ({seeds}); x: transfer prompt")
+    left.set_ylim(0, 105)
+    left.legend(loc="lower right", fontsize=8)
+    for ax, column, label in ((axes[1], 1, "sampled completion tokens"), (axes[2], 2, "seconds (sample + train + push)")):
+        for arm, points in results.get("dev_curves", {}).items():
+            ax.plot([p[column] for p in points], [100 * p[3] for p in points], marker="o", ms=3,
+                    color=COLORS.get(arm.split(" ")[0], "k"), label=arm)
+        ax.set_xlabel(label)
+        ax.set_ylabel(f"dev avg@{EVAL_N}, training format (%)")
+        ax.set_title("token efficiency (seed 1)" if column == 1 else "wall-clock (2 CPU cores)")
+        if ax.lines:
+            ax.legend(fontsize=8)
+    if results.get("quick"):
+        fig.suptitle("quick variant (--quick): one seed, a short run; not the experiment")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+# -----------------------------------------------------------------------------
+# The port-check fixture and the step-1 KL profile: step-1 rollouts of the shipped model, as opsd.py computes them
+
+REFERENCE_SEED, REFERENCE_TEMPERATURE, REFERENCE_TAU, REFERENCE_BETA = 1, 1.1, 0.05, 0.0
+STAT_COLUMNS = ("kl", "clipped_mass", "logprob")
+
+
+def stat(stats, name):
+    """One per-position diagnostic of opsd_loss, (N,): an attribute of its stats, or a column of an (N, 3) tensor."""
+    return getattr(stats, name) if hasattr(stats, name) else stats[:, STAT_COLUMNS.index(name)]
+
+
+def model_digest(model_dir):
+    return hashlib.sha256((Path(model_dir) / "model.safetensors").read_bytes()).hexdigest()[:16]
+
+
+@torch.no_grad()
+def step_figures(model_dir, rows, *, temperature, tau, beta, per_position=False):
+    """{clip: {loss, kl_mean, kl_clipped_teacher_mass}} of one optimizer step over `rows` from the unchanged
+    model (LoRA B = 0, so student and teacher are both the base model), through opsd.py's functions: loss is the
+    sum of the clipped per-position divergence over all completion positions divided by their number; kl_mean and
+    kl_clipped_teacher_mass are the means over the same positions of opsd.py's diagnostics. per_position: also the
+    (N,) per-position KL."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    completions = [r["completion_ids"] for r in rows]
+    s_inputs, s_mask = opsd.build_batch([r["student_prompt_ids"] for r in rows], completions, tok.pad_token_id, "cpu")
+    t_inputs, t_mask = opsd.build_batch([r["teacher_prompt_ids"] for r in rows], completions, tok.pad_token_id, "cpu")
+    hs, ht = opsd.final_hidden(model, s_inputs), opsd.final_hidden(model, t_inputs)
+    targets = s_inputs["input_ids"][:, 1:][s_mask[:, 1:]]  # (N,) the completion tokens
+    positions = sum(map(len, completions))
+    figures = {}
+    for clip in ("token", "entry", "none"):
+        loss, stats = opsd.opsd_loss(hs[:, :-1], s_mask[:, 1:], ht[:, :-1], t_mask[:, 1:],
+                                     model.get_output_embeddings().weight, positions, targets, beta=beta,
+                                     temperature=temperature, clip=clip, tau=tau)
+        figures[clip] = {"loss": loss.item(), "kl_mean": stat(stats, "kl").mean().item(),
+                         "kl_clipped_teacher_mass": stat(stats, "clipped_mass").mean().item()}
+    return (figures, stat(stats, "kl")) if per_position else figures
+
+
+def kl_profile(kl, lengths, tau):
+    """The step-1 KL profile: mean, the share above tau, the first answer position's mean, a histogram (log bins)."""
+    first = torch.tensor([0] + list(lengths[:-1])).cumsum(0)
+    edges = [0.0, 1e-4, 1e-3, 1e-2, 0.05, 0.1, 0.5, 1.0, 2.0, float("inf")]
+    counts = [int(((kl >= lo) & (kl < hi)).sum()) for lo, hi in zip(edges, edges[1:])]
+    return {"positions": len(kl), "kl_mean": kl.mean().item(), "frac_above_tau": (kl > tau).float().mean().item(),
+            "tau": tau, "first_position_kl_mean": kl[first].mean().item(),
+            "rest_kl_mean": kl[torch.ones(len(kl), dtype=torch.bool).index_fill_(0, first, False)].mean().item(),
+            "histogram_edges": edges[:-1] + ["inf"], "histogram_counts": counts,
+            "released_recipe_qwen3_1.7b": {"kl_mean": [0.10, 0.19], "frac_above_0.05": [0.35, 0.50]}}
+
+
+def write_reference_step(path, model_dir=SHIPPED_MODEL, seed=REFERENCE_SEED):
+    """Sample one step's rollouts from the model the way opsd.py's first step does (its data order, engine settings
+    and per-request seeds for --seed `seed`), compute their figures, write the fixture, and the step-1 KL profile
+    (step1_kl.json beside it)."""
+    from transformers import AutoTokenizer
+
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    train = make_task()[0]
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    args = opsd.parse_args(["--model", str(model_dir), "--dataset", "unused", "--seed", str(seed),
+                            "--loss-temperature", str(REFERENCE_TEMPERATURE), *OPSD_FLAGS])
+    prompts = [(student_prompt(tok, r["problem"]), teacher_prompt(tok, r["problem"], r["solution"])) for r in train]
+    indices = opsd.step_indices(0, COMPLETIONS_PER_STEP, len(prompts), seed)
+    sampling_seeds = [(seed * 1_000_003 + j) % 2**31 for j in range(COMPLETIONS_PER_STEP)]  # opsd.py's, step 0
+    llm = opsd.start_engine(args, 0, 1, torch.device("cpu"))
+    completions, _ = opsd.sample(llm, [prompts[i][0] for i in indices], sampling_seeds, args)
+    opsd.stop_engine(llm)
+    rows = [{"student_prompt_ids": prompts[i][0], "teacher_prompt_ids": prompts[i][1], "completion_ids": c}
+            for i, c in zip(indices, completions)]
+    settings = {"temperature": REFERENCE_TEMPERATURE, "tau": REFERENCE_TAU, "beta": REFERENCE_BETA}
+    expected, kl = step_figures(model_dir, rows, **settings, per_position=True)
+    header = {
+        "about": "Step-1 rollouts of the shipped miniature model (opsd.py --seed 1 --student-prompt eval "
+                 "--no-student-thinking with tests/miniature.py's settings) and the figures opsd.py computes for "
+                 "them with LoRA B = 0 (student and teacher both the unchanged model, float32). loss: sum over "
+                 "completion positions of the clipped per-position divergence / number of positions. kl_mean: mean "
+                 "over the positions of KL(p_T || p_S) at the loss temperature. kl_clipped_teacher_mass: mean over "
+                 "the positions of the teacher's probability on entries with p_T(v) (log p_T(v) - log p_S(v)) > tau. "
+                 "A position predicts a completion token from the prompt and the completion tokens before it, at "
+                 "positions 0, 1, 2, ... from the prompt's first token.",
+        "model": str(Path(model_dir).relative_to(ROOT)) if Path(model_dir).is_relative_to(ROOT) else str(model_dir),
+        "model_sha256_16": model_digest(model_dir), "positions": sum(map(len, completions)),
+        "settings": settings, "expected": expected}
+    # one row per line: the file stays readable and diffs stay small
+    text = json.dumps(header, indent=1)[:-2] + ',\n "rows": [\n' + ",\n".join(json.dumps(r) for r in rows) + "\n ]\n}\n"
+    Path(path).write_text(text)
+    profile = kl_profile(kl, [len(c) for c in completions], REFERENCE_TAU)
+    profile["rollouts_correct"] = sum(evaluation.extract_boxed(tok.decode(c, skip_special_tokens=True))
+                                      == train[i]["answer"] for i, c in zip(indices, completions)) / len(rows)
+    (Path(path).parent / "step1_kl.json").write_text(json.dumps(profile, indent=1) + "\n")
+    print(json.dumps(expected, indent=1), json.dumps(profile, indent=1))
+    print(f"{len(rows)} rows, {header['positions']} positions -> {path}")
+
+
+# -----------------------------------------------------------------------------
+# Config
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(prog="miniature.py", description=__doc__.split("\n\n")[0])
+    p.add_argument("--output-dir", help="results.json, the figure and one directory per run")
+    p.add_argument("--arms", default=None, help=f"comma-separated, of {', '.join(ARMS)} (default: "
+                                                f"{','.join(HEADLINE_ARMS)}; --quick: {QUICK_ARM})")
+    p.add_argument("--seeds", default=None, help="comma-separated training seeds every chosen arm runs (default 1)")
+    p.add_argument("--quick", action="store_true",
+                   help=f"the test suite's check: {QUICK_ARM}, seed 1, {QUICK_STEPS} steps, held-out avg@1")
+    p.add_argument("--full", action="store_true", help="the whole protocol of tests/miniature.md (resumable)")
+    p.add_argument("--select", action="store_true",
+                   help="dev lr selection: each arm at each --lrs, a dev score every --curve-every steps")
+    p.add_argument("--lrs", default=",".join(f"{lr:g}" for lr in LR_GRID), help="with --select: the lr grid")
+    p.add_argument("--steps", type=int, default=None, help=f"optimizer steps of every arm (default {STEPS})")
+    p.add_argument("--curve-every", type=int, default=25, help="steps between dev-scored checkpoints")
+    p.add_argument("--n", type=int, default=None, help=f"eval.py samples per problem (default {EVAL_N}; --quick 1)")
+    p.add_argument("--start-model", type=int, default=PRETRAIN_SEEDS[0], choices=PRETRAIN_SEEDS,
+                   help="the shipped starting model (pre-training seed) every arm runs on, but in --full")
+    p.add_argument("--pretrain", action="store_true",
+                   help="pre-train a starting model from scratch into --output-dir, report its acceptance, stop")
+    p.add_argument("--pretrain-seed", type=int, default=1, help="with --pretrain: init and batches")
+    p.add_argument("--teacher-terse", type=float, default=0.0,
+                   help="with --pretrain: the share of teacher-format examples answered with the boxed answer alone "
+                        "(the reference's style; the style-drift model of issue 25)")
+    p.add_argument("--overwrite", action="store_true", help="clear this script's files in --output-dir first")
+    p.add_argument("--resume", action="store_true",
+                   help="continue the run in --output-dir with the same flags (finished pieces are kept)")
+    p.add_argument("--reference-step", metavar="PATH", default=None,
+                   help="write the port-check fixture (step-1 rollouts of the shipped model and their loss) and stop")
+    p.add_argument("--grpo-job", default=None, help=argparse.SUPPRESS)  # one GRPO training, in its own process
+    args = p.parse_args(argv)
+    if args.reference_step or args.grpo_job:
+        return args
+    if not args.output_dir:
+        p.error("--output-dir is required.")
+    if args.resume and args.overwrite:
+        p.error("--resume continues the run in --output-dir, --overwrite clears it: pass one.")
+    if sum((args.quick, args.full, args.select, args.pretrain)) > 1:
+        p.error("--quick, --full, --select and --pretrain are separate runs: pass one.")
+    if args.full and (args.arms or args.seeds):
+        p.error("--full chooses every arm and its seeds: leave out --arms and --seeds.")
+    if not 0 <= args.teacher_terse < 1:
+        p.error("--teacher-terse must lie in [0, 1).")
+    if args.pretrain:
+        return args
+    seeds = [s.strip() for s in (args.seeds or "1").split(",")]
+    if not all(s.isdigit() for s in seeds) or len(set(seeds)) != len(seeds):
+        p.error(f"--seeds takes distinct non-negative integers separated by commas, got {args.seeds!r}.")
+    arms = [a.strip() for a in (args.arms or (QUICK_ARM if args.quick else ",".join(HEADLINE_ARMS))).split(",")]
+    if any(a not in ARMS for a in arms) or len(set(arms)) != len(arms):
+        p.error(f"--arms takes distinct arms from {', '.join(ARMS)}, got {args.arms!r}.")
+    try:
+        args.lrs = [float(x) for x in args.lrs.split(",")]
+    except ValueError:
+        p.error(f"--lrs takes numbers separated by commas, got {args.lrs!r}.")
+    args.arms = list(ARMS) if args.full else arms
+    args.seeds = {arm: [int(s) for s in seeds] for arm in args.arms}
+    if args.full:
+        args.seeds = {arm: [1, 2, 3, 4, 5] if arm in FIVE_SEED_ARMS else [1, 2, 3] for arm in args.arms}
+    args.steps = args.steps or (QUICK_STEPS if args.quick else STEPS)
+    args.n = args.n or (1 if args.quick else EVAL_N)
+    if min(args.steps, args.n, args.curve_every) < 1 or min(args.lrs) <= 0:
+        p.error("--steps, --n, --curve-every and --lrs must be positive.")
+    missing = [str(SHIPPED_MODELS[s]) for s in ([*PRETRAIN_SEEDS] if args.full else [args.start_model])
+               if not (SHIPPED_MODELS[s] / "config.json").is_file()]
+    if missing:
+        p.error(f"no shipped model in {', '.join(missing)}: pre-train one with --pretrain.")
+    return args
+
+
+# what a resumed run must share with the run it continues
+RESULT_FLAGS = ("arms", "seeds", "quick", "full", "select", "lrs", "steps", "curve_every", "n", "start_model")
+
+
+def check_resume(out, args):
+    path = out / "settings.json"
+    if not path.is_file():
+        raise SystemExit(f"--resume: {out} holds no run of this script (no settings.json): drop --resume.")
+    saved, now = json.loads(path.read_text()), json.loads(json.dumps({k: vars(args)[k] for k in RESULT_FLAGS}))
+    changed = ["--" + k.replace("_", "-") for k in RESULT_FLAGS if saved.get(k) != now[k]]
+    if changed:
+        raise SystemExit(f"--resume with other {', '.join(changed)} than the run in {out} would mix settings: use "
+                         "the same flags, or start another --output-dir.")
+    if saved.get("chosen_lr") != {arm: lr_of(arm) for arm in now["arms"]}:
+        raise SystemExit(f"--resume: the learning rates chosen on dev changed since the run in {out} started.")
+
+
+def this_machine():
+    cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                if line.startswith("model name")), None) if Path("/proc/cpuinfo").is_file() else None
+    return {"started": time.strftime("%Y-%m-%d %H:%M:%S"), "cpu": cpu, "cores": os.cpu_count(),
+            "torch": torch.__version__}
+
+
+def owned_files(out):
+    names = ["data", "results.json", "miniature.png", "settings.json", "timings.json", "selection.json"]
+    return [out / n for n in names if (out / n).exists()] + sorted(p for p in out.glob("p[0-9]-*"))
+
+
+def load_starting_model(seed, train, heldout):
+    model_dir = SHIPPED_MODELS[seed]
+    info = json.loads((model_dir / TASK_FILE).read_text())
+    if (info.get("train_digest"), info.get("heldout_digest")) != (split_digest(train), split_digest(heldout)):
+        raise SystemExit(f"{model_dir} was pre-trained on another split of the task: pre-train it again.")
+    return model_dir, info
+
+
+# -----------------------------------------------------------------------------
+# The run
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    if args.grpo_job:
+        job = json.loads(args.grpo_job)
+        return train_grpo(Path(job["model_dir"]), Path(job["train_file"]), job["seed"], job["steps"], job["lr"],
+                          Path(job["out_dir"]), job["save_every"])
+    if args.reference_step:
+        return write_reference_step(args.reference_step)
+    train, dev, heldout = make_task()
+    out = Path(args.output_dir)
+    if args.pretrain:
+        if (out / "model.safetensors").exists() and not args.overwrite:
+            raise SystemExit(f"{out} already holds a model: pass --overwrite or choose another --output-dir.")
+        return pretrain(out, train, dev, heldout, seed=args.pretrain_seed, teacher_terse=args.teacher_terse)
+    t_start = time.perf_counter()
+    present = owned_files(out)
+    if args.resume:
+        check_resume(out, args)
+    elif present and not args.overwrite:
+        raise SystemExit(f"{out} already holds a run ({', '.join(p.name for p in present[:4])}...): pass "
+                         "--resume to continue it, --overwrite to start over, or choose another --output-dir.")
+    else:
+        for path in present:
+            shutil.rmtree(path) if path.is_dir() else path.unlink()
+        out.mkdir(parents=True, exist_ok=True)
+        saved = {k: vars(args)[k] for k in RESULT_FLAGS}
+        saved["chosen_lr"] = {arm: lr_of(arm) for arm in args.arms}
+        (out / "settings.json").write_text(json.dumps(saved, indent=2) + "\n")
+    settings = json.loads((out / "settings.json").read_text())
+    settings["invocations"] = settings.get("invocations", []) + [
+        {**this_machine(), "argv": sys.argv[1:] if argv is None else list(argv)}]
+    (out / "settings.json").write_text(json.dumps(settings, indent=2) + "\n")
+    files = {name: out / "data" / f"{name}.jsonl" for name in ("train", "dev", "heldout")}
+    for name, rows in (("train", train), ("dev", dev), ("heldout", heldout)):
+        write_jsonl(files[name], rows)
+    timings_file = out / "timings.json"
+    timings = json.loads(timings_file.read_text()) if args.resume and timings_file.is_file() else {}
+
+    def timed(name, seconds):
+        if seconds is not None:  # None: finished before this invocation
+            timings[name] = round(seconds, 1)
+            timings_file.write_text(json.dumps(timings, indent=2) + "\n")
+
+    scorer = {}
+
+    def dev_scorer(model_dir):
+        if model_dir not in scorer:
+            scorer.clear()
+            scorer[model_dir] = DevScorer(model_dir)
+        return scorer[model_dir]
+
+    if args.select:
+        return select(args, out, files, train, dev, heldout, dev_scorer, timed)
+    return experiment(args, out, files, train, dev, heldout, dev_scorer, timed, timings, t_start)
+
+
+def select(args, out, files, train, dev, heldout, dev_scorer, timed):
+    """--select: every arm at every lr of --lrs, seed(s) as given, on the starting model; each run's dev curve
+    (checkpoints every --curve-every steps) into selection.json; the table; each complete family's chosen lr."""
+    model_dir, _ = load_starting_model(args.start_model, train, heldout)
+    path = out / "selection.json"
+    selection = json.loads(path.read_text()) if args.resume and path.is_file() else {
+        "model": str(model_dir), "steps": args.steps, "every": args.curve_every, "runs": {}}
+    base = selection.setdefault("base", None) or dev_scorer(model_dir).score(dev)
+    selection["base"] = base
+    tag = f"p{args.start_model}"
+    for arm in args.arms:
+        for lr in args.lrs:
+            for seed in args.seeds[arm]:
+                name = run_name(tag, arm, seed, lr)
+                if name in selection["runs"]:
+                    continue
+                run = out / name
+                _, seconds = train_arm(model_dir, files, train, arm, seed, args.steps, lr, run, args.resume,
+                                       save_every=args.curve_every)
+                timed(name, seconds)
+                points = curve(dev_scorer(model_dir), dev, run, args.steps, args.curve_every, base)
+                selection["runs"][name] = {"arm": arm, "family": FAMILY[arm], "lr": lr, "seed": seed,
+                                           "curve": points}
+                path.write_text(json.dumps(selection, indent=2) + "\n")
+                print(f"{name}: dev avg@{EVAL_N} " + ", ".join(f"{p[0]}:{100 * p[3]:.1f}" for p in points),
+                      flush=True)
+    selection["chosen"] = choose_lrs(selection)
+    path.write_text(json.dumps(selection, indent=2) + "\n")
+    print(format_selection(selection))
+    return selection
+
+
+def choose_lrs(selection):
+    """Each family's lr by the protocol's rule: the best dev score at the last step, within 1 point the smaller
+    lr; 'extend' when the best sits at an edge of the grid run so far (the next lr beyond it must run)."""
+    chosen = {}
+    families = sorted({r["family"] for r in selection["runs"].values()})
+    for family in families:
+        scores = {}
+        for r in selection["runs"].values():
+            if r["family"] == family and r["arm"] == family:
+                scores.setdefault(r["lr"], []).append(r["curve"][-1][3])
+        if not scores:
+            continue
+        mean = {lr: sum(v) / len(v) for lr, v in scores.items()}
+        best = max(mean.values())
+        lr = min(x for x, v in mean.items() if v >= best - 0.01)
+        grid = sorted(mean)
+        at_edge = len(grid) > 1 and lr in (grid[0], grid[-1])  # the protocol: then run the next lr beyond it
+        chosen[family] = {"lr": lr, "dev_avg": mean[lr], "grid": {f"{k:g}": v for k, v in sorted(mean.items())},
+                          "extend": bool(at_edge)}
+    return chosen
+
+
+def format_selection(selection):
+    steps = [p[0] for p in next(iter(selection["runs"].values()))["curve"]] if selection["runs"] else []
+    lines = [f"dev avg@{EVAL_N} in % by step (base {100 * selection['base']['avg']:.1f})",
+             f"{'run':<32}" + "".join(f"{s:>7}" for s in steps)]
+    for name, r in selection["runs"].items():
+        lines.append(f"{name:<32}" + "".join(f"{100 * p[3]:>7.1f}" for p in r["curve"]))
+    for family, c in selection.get("chosen", {}).items():
+        lines.append(f"chosen: {family} lr {c['lr']:g} (dev {100 * c['dev_avg']:.1f})"
+                     + ("; best at the grid's edge: extend the grid" if c["extend"] else ""))
+    return "\n".join(lines)
+
+
+def best_opsd_arm(scores):
+    ran = [a for a in OPSD_ARMS if a in scores and scores[a]]
+    return max(ran, key=lambda a: sum(scores[a]) / len(scores[a])) if ran else None
+
+
+def experiment(args, out, files, train, dev, heldout, dev_scorer, timed, timings, t_start):
+    """The arms, seeds and starting models of the run: train, score with eval.py in both formats, dev curves."""
+    primary_model = args.start_model if not args.full else PRETRAIN_SEEDS[0]
+    save_every = 25 if args.full else 0  # checkpoints make a long run resumable
+    curve_arms = ("token", "none", "entry", "grpo")
+    results = {"n": args.n, "steps": args.steps, "problems": len(heldout), "quick": args.quick, "full": args.full,
+               "arms": args.arms, "seeds": args.seeds, "lr": {arm: lr_of(arm) for arm in args.arms},
+               "lr_chosen_on_dev": {arm: FAMILY[arm] in CHOSEN_LR for arm in args.arms},
+               "dev_curves": {}, "by_model": {}}
+
+    def score_model(tag, model_dir, arms, seeds):
+        """Base and each arm and seed on one starting model: {heldout_avg, transfer_avg, no_scratchpad, ...}."""
+        block = {"heldout_avg": {}, "transfer_avg": {}, "no_scratchpad": {}, "tokens_mean": {}, "seeds": {}}
+        for fmt, thinking in (("primary", False), ("transfer", True)):
+            e = evaluate(model_dir, files["heldout"], args.n, out / f"{tag}-base-eval-{fmt}", thinking=thinking)
+            timed(f"{tag}-base-eval-{fmt}", e["seconds"])
+            key = "heldout_avg" if fmt == "primary" else "transfer_avg"
+            block[key]["base"] = e["avg"]
+            block[f"base_stderr_{fmt}"] = e["stderr"]
+            if fmt == "primary":
+                block["no_scratchpad"]["base"], block["tokens_mean"]["base"] = e["no_scratchpad"], e["tokens_mean"]
+            print(f"{tag} base: held-out avg@{args.n} {fmt} {100 * e['avg']:.1f}", flush=True)
+        for arm in arms:
+            block["seeds"][arm] = seeds[arm]
+            for k in ("heldout_avg", "transfer_avg", "no_scratchpad", "tokens_mean"):
+                block[k][arm] = []
+            for seed in seeds[arm]:
+                name = run_name(tag, arm, seed)
+                run = out / name
+                with_curve = (arm in curve_arms and seed == seeds[arm][0] and tag == f"p{primary_model}"
+                              and not args.quick)
+                adapter, seconds = train_arm(model_dir, files, train, arm, seed, args.steps, lr_of(arm), run,
+                                             args.resume, save_every=args.curve_every if with_curve else save_every)
+                timed(name, seconds)
+                line = f"{name}:"
+                for fmt, thinking in (("primary", False), ("transfer", True)):
+                    e = evaluate(model_dir, files["heldout"], args.n, out / f"{name}-eval-{fmt}", adapter, thinking)
+                    timed(f"{name}-eval-{fmt}", e["seconds"])
+                    block["heldout_avg" if fmt == "primary" else "transfer_avg"][arm].append(e["avg"])
+                    if fmt == "primary":
+                        block["no_scratchpad"][arm].append(e["no_scratchpad"])
+                        block["tokens_mean"][arm].append(e["tokens_mean"])
+                    line += f" {fmt} {100 * e['avg']:.1f}"
+                print(line + (f", training {seconds:.0f}s" if seconds is not None else ", training kept"), flush=True)
+                if with_curve:
+                    cache = out / f"{name}-curve.json"
+                    if args.resume and cache.is_file():
+                        points = json.loads(cache.read_text())
+                    else:
+                        s = dev_scorer(model_dir)
+                        points = curve(s, dev, run, args.steps, args.curve_every, s.score(dev))
+                        cache.write_text(json.dumps(points) + "\n")
+                    results["dev_curves"][arm] = points
+        return block
+
+    primary = score_model(f"p{primary_model}", SHIPPED_MODELS[primary_model], args.arms, args.seeds)
+    results.update({k: primary[k] for k in ("heldout_avg", "transfer_avg", "no_scratchpad", "tokens_mean")})
+    results["base_stderr"] = {"primary": primary["base_stderr_primary"], "transfer": primary["base_stderr_transfer"]}
+    results["pretrain"] = json.loads((SHIPPED_MODELS[primary_model] / TASK_FILE).read_text())
+    if args.full:
+        best = best_opsd_arm(results["heldout_avg"])
+        headline = [best, "sft-reference", "grpo"]
+        for seed in PRETRAIN_SEEDS[1:]:
+            block = score_model(f"p{seed}", SHIPPED_MODELS[seed], headline, {arm: [1, 2] for arm in headline})
+            block["pretrain"] = json.loads((SHIPPED_MODELS[seed] / TASK_FILE).read_text())
+            results["by_model"][f"p{seed}"] = block
+        for arm, steps in (("token", 300), ("none", 300)):  # a delayed gain or none: one long run, dev curve
+            name = run_name(f"p{primary_model}", arm, 1) + f"-long{steps}"
+            cache = out / f"{name}-curve.json"
+            if not (args.resume and cache.is_file()):
+                _, seconds = train_arm(SHIPPED_MODELS[primary_model], files, train, arm, 1, steps, lr_of(arm),
+                                       out / name, args.resume, save_every=args.curve_every)
+                timed(name, seconds)
+                s = dev_scorer(SHIPPED_MODELS[primary_model])
+                cache.write_text(json.dumps(curve(s, dev, out / name, steps, args.curve_every, s.score(dev))) + "\n")
+            results["dev_curves"][f"{arm} ({steps} steps)"] = json.loads(cache.read_text())
+    results["stats"] = {key: {arm: summarize(results[key][arm], results[key]["base"],
+                                             results["base_stderr"]["primary" if key == "heldout_avg" else "transfer"])
+                              for arm in args.arms} for key in ("heldout_avg", "transfer_avg")}
+    best = best_opsd_arm(results["heldout_avg"])
+    results["best_opsd_arm"] = best
+    if best:
+        results["paired_vs_best_opsd"] = {
+            key: {arm: paired(results[key][best], results[key][arm], args.seeds[best], args.seeds[arm])
+                  for arm in args.arms if arm != best} for key in ("heldout_avg", "transfer_avg")}
+        results["token_efficiency"] = token_efficiency(results["dev_curves"], best, "grpo")
+    step1 = DATA / "step1_kl.json"
+    results["step1_kl"] = json.loads(step1.read_text()) if step1.is_file() and primary_model == 1 else None
+    results["timings"], results["seconds"] = timings, round(time.perf_counter() - t_start, 1)
+    results["seconds_all_pieces"] = round(sum(timings.values()), 1)
+    results["resumed"] = args.resume
+    (out / "results.json").write_text(json.dumps(results, indent=2) + "\n")
+    plot(results, out / "miniature.png")
+    print(format_table(results))
+    print(format_table(results, "transfer_avg", "held-out, transfer (eval.py's default prompt)"))
+    print(f"total {results['seconds']:.0f} s -> {out / 'results.json'}, {out / 'miniature.png'}")
+    return results
+
+
+if __name__ == "__main__":
+    main()
