@@ -80,9 +80,12 @@ def parse_args(argv=None):
                    help="hub dataset id, or a local .json / .jsonl / .parquet file")
     g.add_argument("--dataset-split", default="train", help="split of a hub dataset")
     g.add_argument("--problem-column", default="problem", help="column holding the problem")
-    g.add_argument("--context-column", default="solution", help="column holding the teacher's privileged context")
+    g.add_argument("--context-column", default="solution",
+                   help="column holding the teacher's privileged context; a,b joins two columns with a blank line")
     g.add_argument("--data-select", default="all", choices=["all", "hard"],
                    help="hard: drop source 'math', keep generated_token_count >= its median")
+    g.add_argument("--student-prompt", default="recipe", choices=["recipe", "eval"],
+                   help="recipe: 'Problem: ' + problem + instruction; eval: eval.py's prompt, the format it scores")
     g.add_argument("--student-thinking", action=argparse.BooleanOptionalAction, default=False,
                    help="enable_thinking in the student's chat template")
     g.add_argument("--teacher-thinking", action=argparse.BooleanOptionalAction, default=True,
@@ -137,8 +140,14 @@ TRANSITION = (
     "backtrack or reconsider if something doesn't work out:\n"
 )
 
-def student_message(problem):
-    return f"Problem: {problem}\n\n{INSTRUCTION}"
+def eval_message(problem):
+    """The released evaluation's prompt (eval.py's): the problem and the instruction, no 'Problem: ' prefix."""
+    return f"{problem}\n\n{INSTRUCTION}"
+
+def student_message(problem, prompt="recipe"):
+    """The released recipe's student message, or (--student-prompt eval) the evaluation's own prompt, so that the
+    student trains in the format it is scored in."""
+    return eval_message(problem) if prompt == "eval" else f"Problem: {problem}\n\n{INSTRUCTION}"
 
 def teacher_message(problem, context):
     return (
@@ -154,11 +163,11 @@ def render(tokenizer, message, thinking):
     return tokenizer.apply_chat_template([{"role": "user", "content": message}], add_generation_prompt=True,
                                          enable_thinking=thinking, tokenize=True, return_dict=False)
 
-def build_prompts(tokenizer, rows, *, student_thinking, teacher_thinking, max_prompt_length):
+def build_prompts(tokenizer, rows, *, student_thinking, teacher_thinking, max_prompt_length, student_prompt="recipe"):
     """[(student prompt ids, teacher prompt ids)], dropping rows whose prompts exceed max_prompt_length."""
     prompts = []
     for problem, context in rows:
-        student = render(tokenizer, student_message(problem), student_thinking)
+        student = render(tokenizer, student_message(problem, student_prompt), student_thinking)
         teacher = render(tokenizer, teacher_message(problem, context), teacher_thinking)
         if max(len(student), len(teacher)) <= max_prompt_length:
             prompts.append((student, teacher))
@@ -702,9 +711,17 @@ def init_distributed(device_flag):
         torch.cuda.set_device(device)  # vLLM builds its engine on the current device
     if WORLD_SIZE > 1:
         dist.init_process_group("nccl" if use_cuda else "gloo")
-    # vLLM: the engine in this process (its worker is then reachable for weight pushes), errors only (its
-    # start-up warnings are CPU tuning advice), a small KV cache on the CPU
-    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    # What the weight push needs, whatever the user exported: the engine in this process (the push and its read-back
+    # reach the engine's model there; an engine in another process cannot take the weights' generator), and float32
+    # matmuls at full precision in the trainer and in vLLM's worker (the read-back compares weights bit for bit,
+    # and a TF32 GEMM on the identity rounds them). bfloat16 GEMMs are exact on the identity either way.
+    for name, value in (("VLLM_ENABLE_V1_MULTIPROCESSING", "0"), ("VLLM_FLOAT32_MATMUL_PRECISION", "highest")):
+        if os.environ.get(name, value) != value:
+            print0(f"opsd.py: note: {name}={os.environ[name]} replaced by {value}: the weight push and its read-back "
+                   "need it.", file=sys.stderr)
+        os.environ[name] = value
+    torch.set_float32_matmul_precision("highest")
+    # vLLM: errors only (its start-up warnings are CPU tuning advice), a small KV cache on the CPU
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
     if not use_cuda:
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
@@ -1011,7 +1028,8 @@ def load_prompts(args):
     tokenizer = AutoTokenizer.from_pretrained(args.model)
     rows = load_rows(args.dataset, args.dataset_split, args.problem_column, args.context_column, args.data_select)
     return tokenizer, build_prompts(tokenizer, rows, student_thinking=args.student_thinking,
-                                    teacher_thinking=args.teacher_thinking, max_prompt_length=args.max_prompt_length)
+                                    teacher_thinking=args.teacher_thinking, max_prompt_length=args.max_prompt_length,
+                                    student_prompt=args.student_prompt)
 
 def read_table(dataset, split):
     """Rows (dicts) of a local .json / .jsonl / .parquet file or of a hub dataset's split."""
@@ -1063,20 +1081,25 @@ def select_hard(rows, name):
     return kept
 
 def load_rows(dataset, split, problem_column, context_column, data_select="all"):
-    """[(problem, privileged context)], after the --data-select rule."""
+    """[(problem, privileged context)], after the --data-select rule. `context_column` may name several columns,
+    comma-separated (e.g. solution,COT_Reason): their texts are joined with a blank line, in that order."""
     rows = read_table(dataset, split)
     if not rows:
         fail(f"--dataset {dataset} holds no rows.")
-    for column, flag in ((problem_column, "--problem-column"), (context_column, "--context-column")):
+    context_columns = [c.strip() for c in context_column.split(",")]
+    if not all(context_columns):
+        fail(f"--context-column {context_column!r}: an empty column name; give one column, or columns as a,b.")
+    named = [(problem_column, "--problem-column")] + [(c, "--context-column") for c in context_columns]
+    for column, flag in named:
         if column not in rows[0]:
             fail(f"--dataset {dataset} has no column {column!r} ({flag}); its columns are {list(rows[0])}.")
     for number, row in enumerate(rows, 1):
-        for column in (problem_column, context_column):
+        for column, _ in named:
             if not isinstance(row.get(column), str):
                 fail(f"--dataset {dataset}, row {number}: {column!r} is {row.get(column)!r}, not a string.")
     if data_select == "hard":
         rows = select_hard(rows, dataset)
-    return [(row[problem_column], row[context_column]) for row in rows]
+    return [(row[problem_column], "\n\n".join(row[c] for c in context_columns)) for row in rows]
 
 
 # -----------------------------------------------------------------------------
@@ -1158,8 +1181,9 @@ def push_checked(llm, model, out_dir):
     fail_if_any_rank(problem, model.device)
     return seconds
 
-# The sampler/trainer gap's floor with identical weights, measured on CPU (tiny Qwen3, mean): ~1e-6 in float32,
-# ~1e-2 in bfloat16 (up to ~2e-2 at lr 1e-4, as the merged bf16 weights round). A step line flags a mean gap above:
+# The sampler/trainer gap's floor with identical weights, measured on CPU kernels only (tiny Qwen3, mean): ~1e-6 in
+# float32, ~1e-2 in bfloat16 (up to ~2e-2 at lr 1e-4, as the merged bf16 weights round). GPU kernels have floors of
+# their own (not yet measured): the alarm is a warning on the step line, never a stop. It flags a mean gap above:
 GAP_ALARM = {"float32": 1e-4, "bfloat16": 5e-2}
 
 def log_step(args, record, rollouts, tracker):
@@ -1171,7 +1195,8 @@ def log_step(args, record, rollouts, tracker):
           f"len {record['completion_len_mean']:.0f} | sample {record['time_sample']:.1f}s train "
           f"{record['time_train']:.1f}s push {record['time_push']:.2f}s | {record['tokens_per_second']:.0f} tok/s | "
           f"gap {record['logprob_gap_mean']:.1e}/{record['logprob_gap_max']:.1e}"
-          + (f" <- gap above the {args.dtype} noise floor: stale weights or wrong positions?" if stale else ""),
+          + (f" <- gap above the {args.dtype} noise floor measured on CPU: stale weights or wrong positions?"
+             if stale else ""),
           flush=True)
     with uninterruptible():
         with open(out_dir / "metrics.jsonl", "a") as f:

@@ -100,3 +100,35 @@ def test_data_order_shards_epochs_and_seed():
     assert stream[:10] != stream[10:]  # reshuffled per epoch
     assert steps[0] == opsd.step_indices(0, per_step, n, seed=42)  # a function of (seed, step) only
     assert steps[0] != opsd.step_indices(0, per_step, n, seed=43)
+
+
+def test_student_prompt_eval_is_eval_py_s_prompt_token_for_token(tok):
+    import eval as evaluation
+
+    expected = "What is 17 + 25?\n\nPlease reason step by step, and put your final answer within \\boxed{}."  # by hand
+    assert opsd.student_message(PROBLEM, "eval") == expected and opsd.student_message(PROBLEM) == EXPECTED_STUDENT
+    assert opsd.parse_args(["--student-prompt", "eval"]).student_prompt == "eval"
+    assert opsd.parse_args([]).student_prompt == "recipe"
+    for thinking in (False, True):
+        ids = opsd.build_prompts(tok, [(PROBLEM, SOLUTION)], student_thinking=thinking, teacher_thinking=True,
+                                 max_prompt_length=10_000, student_prompt="eval")[0][0]
+        assert ids == evaluation.prompt_ids(tok, PROBLEM, thinking)  # eval.py --thinking / --no-thinking
+        assert tok.decode(ids).startswith(f"<|im_start|>user\n{expected}<|im_end|>\n<|im_start|>assistant\n")
+
+
+def test_two_context_columns_are_joined_and_each_row_checked(tmp_path, capsys):
+    rows = [{"problem": f"p{i}", "solution": f"s{i}", "COT_Reason": f"long trace {i}"} for i in range(3)]
+    jsonl = write_jsonl(tmp_path / "d.jsonl", rows)
+    assert opsd.load_rows(jsonl, "train", "problem", "solution,COT_Reason")[1] == ("p1", "s1\n\nlong trace 1")
+    assert opsd.load_rows(jsonl, "train", "problem", "COT_Reason, solution")[0] == ("p0", "long trace 0\n\ns0")
+    rows[2]["COT_Reason"] = None
+    jsonl = write_jsonl(tmp_path / "e.jsonl", rows)
+    with pytest.raises(SystemExit):
+        opsd.load_rows(jsonl, "train", "problem", "solution,COT_Reason")
+    assert capsys.readouterr().err == f"opsd.py: error: --dataset {jsonl}, row 3: 'COT_Reason' is None, not a string.\n"
+    with pytest.raises(SystemExit):
+        opsd.load_rows(jsonl, "train", "problem", "solution,")
+    assert "--context-column 'solution,': an empty column name" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        opsd.load_rows(jsonl, "train", "problem", "solution,trace")
+    assert "has no column 'trace' (--context-column)" in capsys.readouterr().err

@@ -209,7 +209,7 @@ def test_the_step_line_flags_a_stale_engine(tiny_model_dir, tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     lines = [line for line in proc.stdout.splitlines() if line.startswith("step ")]
     # step 1 samples from the weights it trains (B = 0 on both sides); step 2 from weights one update old
-    assert "noise floor" not in lines[0] and "<- gap above the float32 noise floor" in lines[1]
+    assert "noise floor" not in lines[0] and "<- gap above the float32 noise floor measured on CPU" in lines[1]
 
 
 def test_many_long_seeded_prompts_sample(llm, args, tiny_model_dir):
@@ -249,3 +249,33 @@ def test_a_failed_push_stops_the_run_in_one_sentence_naming_the_layer_and_the_ch
                              "hold the merged weights sent to it. Stopped; the last checkpoint is "
                              f"{tmp_path / 'checkpoint-1'}.") == 1, proc.stderr[-3000:]
     assert not (tmp_path / "checkpoint-2").exists() and not (tmp_path / "final").exists()
+
+
+PRECISION_AFTER = """
+import os, sys, torch, opsd
+torch.set_float32_matmul_precision("high")  # as a user's own setup code might: TF32 would round the read-back
+opsd.main(sys.argv[1:])
+print("after the run:", torch.get_float32_matmul_precision(), os.environ["VLLM_FLOAT32_MATMUL_PRECISION"])
+"""
+
+
+def test_exported_multiprocessing_and_matmul_precision_cannot_break_the_push(tiny_model_dir, tmp_path):
+    """A user who exported VLLM_ENABLE_V1_MULTIPROCESSING=1 would get an engine in another process, and the push
+    would fail (a generator cannot be sent there); reduced float32 precision would round the read-back's GEMM."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    cmd = [sys.executable, "-c", PRECISION_AFTER, "--model", tiny_model_dir, "--dataset",
+           str(root / "tests/data/math_train.jsonl"), "--device", "cpu", "--dtype", "float32", "--max-steps", "2",
+           "--prompts-per-step", "2", "--micro-batch-size", "2", "--max-new-tokens", "16", "--lr", "1e-3",
+           "--output-dir", str(tmp_path)]
+    env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="1", VLLM_FLOAT32_MATMUL_PRECISION="high")
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=root, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    for name, value in (("VLLM_ENABLE_V1_MULTIPROCESSING=1", "0"), ("VLLM_FLOAT32_MATMUL_PRECISION=high", "highest")):
+        assert proc.stderr.count(f"opsd.py: note: {name} replaced by {value}") == 1, proc.stderr[-3000:]
+    assert "after the run: highest highest" in proc.stdout
+    assert sum(line.startswith("step ") for line in proc.stdout.splitlines()) == 2  # both pushes read back
