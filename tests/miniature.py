@@ -429,10 +429,15 @@ GRPO_PROMPTS, GRPO_GROUP = 8, 8  # 8 prompts x 8 samples = COMPLETIONS_PER_STEP
 OPSD_FLAGS = ["--device", "cpu", "--dtype", "float32", "--lora-r", str(LORA_R), "--lora-alpha", str(LORA_ALPHA),
               "--prompts-per-step", str(COMPLETIONS_PER_STEP), "--micro-batch-size", str(COMPLETIONS_PER_STEP),
               "--max-new-tokens", str(MAX_NEW_TOKENS), "--max-prompt-length", "256", "--no-gradient-checkpointing",
-              "--max-grad-norm", str(MAX_GRAD_NORM), "--warmup-steps", str(WARMUP), "--log-rollouts-every", "25",
+              "--max-grad-norm", str(MAX_GRAD_NORM), "--log-rollouts-every", "25",
               "--kl-window", "512"]
 TIMING_FIELDS = ("time_sample", "time_train", "time_push", "tokens_per_second")
 EVAL_N = 2
+
+
+def warmup_for(steps):
+    """WARMUP steps of linear warmup, fewer in a run too short for them (the tests' few-step runs)."""
+    return min(WARMUP, steps // 4)
 
 
 def lr_of(arm):
@@ -452,7 +457,7 @@ def opsd_command(model_dir, train_file, arm, seed, steps, lr, out_dir, save_ever
     return [sys.executable, str(ROOT / "opsd.py"), "--model", str(model_dir), "--dataset", str(train_file),
             "--clip", clip, "--tau", str(tau), "--context-column", context, "--max-steps", str(steps),
             "--lr", str(lr), "--seed", str(seed), "--save-every", str(save_every), "--output-dir", str(out_dir),
-            *OPSD_FLAGS, *STUDENT_FLAGS]
+            "--warmup-steps", str(warmup_for(steps)), *OPSD_FLAGS, *STUDENT_FLAGS]
 
 
 def run_logged(cmd, log_path, env=None):
@@ -507,7 +512,7 @@ def train_sft(model_dir, train, column, seed, steps, lr, out_dir, save_every=0):
                                                      inputs["input_ids"][:, 1:][mask[:, 1:]])
             loss.backward()
             grad_norm = torch.nn.utils.clip_grad_norm_(lora_params, MAX_GRAD_NORM).item()
-            lr_now = opsd.lr_at(step, lr=lr, max_steps=steps, warmup_steps=WARMUP)
+            lr_now = opsd.lr_at(step, lr=lr, max_steps=steps, warmup_steps=warmup_for(steps))
             for group in optimizer.param_groups:
                 group["lr"] = lr_now
             optimizer.step()
@@ -539,7 +544,8 @@ def grpo_args(model_dir, train_file, seed, steps, lr):
     """opsd.py's parsed settings for the engine and the sampler (its defaults: temperature 1.1, top-p 0.95,
     top-k 20), with the miniature's flags."""
     return opsd.parse_args(["--model", str(model_dir), "--dataset", str(train_file), "--seed", str(seed),
-                            "--max-steps", str(steps), "--lr", str(lr), *OPSD_FLAGS])
+                            "--max-steps", str(steps), "--lr", str(lr), "--warmup-steps", str(warmup_for(steps)),
+                            *OPSD_FLAGS])
 
 
 def train_grpo(model_dir, train_file, seed, steps, lr, out_dir, save_every=0):
@@ -570,7 +576,7 @@ def train_grpo(model_dir, train_file, seed, steps, lr, out_dir, save_every=0):
                              args.temperature)
             loss.backward()
             grad_norm = torch.nn.utils.clip_grad_norm_(lora_params, MAX_GRAD_NORM).item()
-            lr_now = opsd.lr_at(step, lr=lr, max_steps=steps, warmup_steps=WARMUP)
+            lr_now = opsd.lr_at(step, lr=lr, max_steps=steps, warmup_steps=warmup_for(steps))
             for group in optimizer.param_groups:
                 group["lr"] = lr_now
             optimizer.step()
@@ -797,7 +803,7 @@ def plot(results, path):
     import matplotlib.pyplot as plt
 
     arms, primary, transfer = results["arms"], results["heldout_avg"], results["transfer_avg"]
-    fig, axes = plt.subplots(1, 3, figsize=(17, 4.8))
+    fig, axes = plt.subplots(1, 4, figsize=(22, 4.8))
     left = axes[0]
     left.axhline(100 * primary["base"], color="black", linestyle="--", label="base, training format")
     left.axhline(100 * transfer["base"], color="gray", linestyle=":", label="base, transfer")
@@ -822,6 +828,18 @@ def plot(results, path):
         ax.set_title("token efficiency (seed 1)" if column == 1 else "wall-clock (2 CPU cores)")
         if ax.lines:
             ax.legend(fontsize=8)
+    profile, ax = results.get("step1_kl"), axes[3]
+    if profile:  # the step-1 KL profile of the shipped model (step1_kl.json)
+        edges = profile["histogram_edges"]
+        labels = [f"{lo:g}-{hi:g}" for lo, hi in zip(edges[:-2], edges[1:-1])] + [f">{edges[-2]:g}"]
+        ax.bar(range(len(profile["histogram_counts"])), profile["histogram_counts"], color="tab:blue")
+        ax.set_xticks(range(len(labels)), labels, rotation=40, ha="right", rotation_mode="anchor", fontsize=8)
+        ax.set_xlabel("per-position KL(T||S) at step 1 (loss temperature 1.1)")
+        ax.set_ylabel("answer positions")
+        ax.set_title(f"step 1: kl_mean {profile['kl_mean']:.3f}, {100 * profile['frac_above_tau']:.1f}% above "
+                     f"{profile['tau']:g}\n(Qwen3-1.7B recipe: 0.10-0.19, 35-50%)", fontsize=9)
+    else:
+        ax.set_axis_off()
     if results.get("quick"):
         fig.suptitle("quick variant (--quick): one seed, a short run; not the experiment")
     fig.tight_layout()
@@ -1004,6 +1022,7 @@ def parse_args(argv=None):
 
 # what a resumed run must share with the run it continues
 RESULT_FLAGS = ("arms", "seeds", "quick", "full", "select", "lrs", "steps", "curve_every", "n", "start_model")
+SELECT_FLAGS = ("select", "steps", "curve_every", "n", "start_model")
 
 
 def check_resume(out, args):
@@ -1011,11 +1030,13 @@ def check_resume(out, args):
     if not path.is_file():
         raise SystemExit(f"--resume: {out} holds no run of this script (no settings.json): drop --resume.")
     saved, now = json.loads(path.read_text()), json.loads(json.dumps({k: vars(args)[k] for k in RESULT_FLAGS}))
-    changed = ["--" + k.replace("_", "-") for k in RESULT_FLAGS if saved.get(k) != now[k]]
+    # a selection grows run by run (each invocation may add arms and lrs); its scoring must stay the same
+    flags = SELECT_FLAGS if args.select else RESULT_FLAGS
+    changed = ["--" + k.replace("_", "-") for k in flags if saved.get(k) != now[k]]
     if changed:
         raise SystemExit(f"--resume with other {', '.join(changed)} than the run in {out} would mix settings: use "
                          "the same flags, or start another --output-dir.")
-    if saved.get("chosen_lr") != {arm: lr_of(arm) for arm in now["arms"]}:
+    if not args.select and saved.get("chosen_lr") != {arm: lr_of(arm) for arm in now["arms"]}:
         raise SystemExit(f"--resume: the learning rates chosen on dev changed since the run in {out} started.")
 
 
