@@ -2,8 +2,8 @@
 reference, SFT on expert traces and GRPO, scored by eval.py in the format the student trains in. tests/miniature.md
 holds the protocol (fixed before any arm was run) and the results.
 
-    python tests/miniature.py --output-dir runs/mini                # the default: the headline arms, 1 seed (~30 min)
-    python tests/miniature.py --output-dir runs/mini-quick --quick  # what the test suite runs (~3 min)
+    python tests/miniature.py --output-dir runs/mini                # the default: the headline arms, 2 seeds (~25 min)
+    python tests/miniature.py --output-dir runs/mini-quick --quick  # what the test suite runs (~1.5 min)
     python tests/miniature.py --output-dir runs/mini-full --full    # the whole protocol (~3 h; --resume continues it)
     python tests/miniature.py --output-dir runs/select --select --arms token --lr 5e-3   # dev: one lr, dev curves
     python tests/miniature.py --pretrain --pretrain-seed 1 --output-dir runs/model-p1  # a starting model, accepted?
@@ -419,7 +419,8 @@ LR_GRID = (2e-3, 5e-3, 1.25e-2)
 # trains at PROVISIONAL_LR and results.json says so
 CHOSEN_LR = {}
 PROVISIONAL_LR = 5e-3
-HEADLINE_ARMS = ("token", "none", "sft-reference", "sft-trace", "grpo")  # the default command's
+HEADLINE_ARMS = ("token", "none", "sft-reference", "sft-trace", "grpo")  # the default command's, seeds 1 and 2
+DEFAULT_SEEDS = "1,2"
 FIVE_SEED_ARMS = ("token", "none", "sft-reference", "sft-trace", "grpo")
 QUICK_ARM, QUICK_STEPS = "none", 40
 
@@ -956,7 +957,7 @@ def parse_args(argv=None):
     p.add_argument("--output-dir", help="results.json, the figure and one directory per run")
     p.add_argument("--arms", default=None, help=f"comma-separated, of {', '.join(ARMS)} (default: "
                                                 f"{','.join(HEADLINE_ARMS)}; --quick: {QUICK_ARM})")
-    p.add_argument("--seeds", default=None, help="comma-separated training seeds every chosen arm runs (default 1)")
+    p.add_argument("--seeds", default=None, help="comma-separated training seeds every chosen arm runs (default 1,2; --quick, --select: 1)")
     p.add_argument("--quick", action="store_true",
                    help=f"the test suite's check: {QUICK_ARM}, seed 1, {QUICK_STEPS} steps, held-out avg@1")
     p.add_argument("--full", action="store_true", help="the whole protocol of tests/miniature.md (resumable)")
@@ -995,7 +996,7 @@ def parse_args(argv=None):
         p.error("--teacher-terse must lie in [0, 1).")
     if args.pretrain:
         return args
-    seeds = [s.strip() for s in (args.seeds or "1").split(",")]
+    seeds = [s.strip() for s in (args.seeds or ("1" if args.quick or args.select else DEFAULT_SEEDS)).split(",")]
     if not all(s.isdigit() for s in seeds) or len(set(seeds)) != len(seeds):
         p.error(f"--seeds takes distinct non-negative integers separated by commas, got {args.seeds!r}.")
     arms = [a.strip() for a in (args.arms or (QUICK_ARM if args.quick else ",".join(HEADLINE_ARMS))).split(",")]
