@@ -832,7 +832,8 @@ def plot(results, path):
     profile, ax = results.get("step1_kl"), axes[3]
     if profile:  # the step-1 KL profile of the shipped model (step1_kl.json)
         edges = profile["histogram_edges"]
-        labels = [f"{lo:g}-{hi:g}" for lo, hi in zip(edges[:-2], edges[1:-1])] + [f">{edges[-2]:g}"]
+        labels = [f"<{edges[1]:g}"] + [f"{lo:g}-{hi:g}" for lo, hi in zip(edges[1:-2], edges[2:-1])] + \
+            [f">{edges[-2]:g}"]
         ax.bar(range(len(profile["histogram_counts"])), profile["histogram_counts"], color="tab:blue")
         ax.set_xticks(range(len(labels)), labels, rotation=40, ha="right", rotation_mode="anchor", fontsize=8)
         ax.set_xlabel("per-position KL(T||S) at step 1 (loss temperature 1.1)")
@@ -894,13 +895,29 @@ def step_figures(model_dir, rows, *, temperature, tau, beta, per_position=False)
 def kl_profile(kl, lengths, tau):
     """The step-1 KL profile: mean, the share above tau, the first answer position's mean, a histogram (log bins)."""
     first = torch.tensor([0] + list(lengths[:-1])).cumsum(0)
-    edges = [0.0, 1e-4, 1e-3, 1e-2, 0.05, 0.1, 0.5, 1.0, 2.0, float("inf")]
+    edges = [-float("inf"), 1e-4, 1e-3, 1e-2, 0.05, 0.1, 0.5, 1.0, 2.0, float("inf")]  # float32 KL can be -1e-8
     counts = [int(((kl >= lo) & (kl < hi)).sum()) for lo, hi in zip(edges, edges[1:])]
     return {"positions": len(kl), "kl_mean": kl.mean().item(), "frac_above_tau": (kl > tau).float().mean().item(),
             "tau": tau, "first_position_kl_mean": kl[first].mean().item(),
             "rest_kl_mean": kl[torch.ones(len(kl), dtype=torch.bool).index_fill_(0, first, False)].mean().item(),
-            "histogram_edges": edges[:-1] + ["inf"], "histogram_counts": counts,
+            "histogram_edges": ["-inf"] + edges[1:-1] + ["inf"], "histogram_counts": counts,
             "released_recipe_qwen3_1.7b": {"kl_mean": [0.10, 0.19], "frac_above_0.05": [0.35, 0.50]}}
+
+
+def write_step1_profile(reference=DATA / "reference_step.json", model_dir=SHIPPED_MODEL):
+    """step1_kl.json from the fixture's rows (the step-1 rollouts), without sampling them again."""
+    from transformers import AutoTokenizer
+
+    ref = json.loads(Path(reference).read_text())
+    rows = ref["rows"]
+    _, kl = step_figures(model_dir, rows, **ref["settings"], per_position=True)
+    profile = kl_profile(kl, [len(r["completion_ids"]) for r in rows], ref["settings"]["tau"])
+    tok, train = AutoTokenizer.from_pretrained(model_dir), make_task()[0]
+    answers = {tuple(student_prompt(tok, r["problem"])): r["answer"] for r in train}
+    profile["rollouts_correct"] = sum(evaluation.extract_boxed(tok.decode(r["completion_ids"], skip_special_tokens=True))
+                                      == answers[tuple(r["student_prompt_ids"])] for r in rows) / len(rows)
+    (Path(reference).parent / "step1_kl.json").write_text(json.dumps(profile, indent=1) + "\n")
+    return profile
 
 
 def write_reference_step(path, model_dir=SHIPPED_MODEL, seed=REFERENCE_SEED):
@@ -924,7 +941,7 @@ def write_reference_step(path, model_dir=SHIPPED_MODEL, seed=REFERENCE_SEED):
     rows = [{"student_prompt_ids": prompts[i][0], "teacher_prompt_ids": prompts[i][1], "completion_ids": c}
             for i, c in zip(indices, completions)]
     settings = {"temperature": REFERENCE_TEMPERATURE, "tau": REFERENCE_TAU, "beta": REFERENCE_BETA}
-    expected, kl = step_figures(model_dir, rows, **settings, per_position=True)
+    expected = step_figures(model_dir, rows, **settings)
     header = {
         "about": "Step-1 rollouts of the shipped miniature model (opsd.py --seed 1 --student-prompt eval "
                  "--no-student-thinking with tests/miniature.py's settings) and the figures opsd.py computes for "
@@ -940,10 +957,7 @@ def write_reference_step(path, model_dir=SHIPPED_MODEL, seed=REFERENCE_SEED):
     # one row per line: the file stays readable and diffs stay small
     text = json.dumps(header, indent=1)[:-2] + ',\n "rows": [\n' + ",\n".join(json.dumps(r) for r in rows) + "\n ]\n}\n"
     Path(path).write_text(text)
-    profile = kl_profile(kl, [len(c) for c in completions], REFERENCE_TAU)
-    profile["rollouts_correct"] = sum(evaluation.extract_boxed(tok.decode(c, skip_special_tokens=True))
-                                      == train[i]["answer"] for i, c in zip(indices, completions)) / len(rows)
-    (Path(path).parent / "step1_kl.json").write_text(json.dumps(profile, indent=1) + "\n")
+    profile = write_step1_profile(path, model_dir)
     print(json.dumps(expected, indent=1), json.dumps(profile, indent=1))
     print(f"{len(rows)} rows, {header['positions']} positions -> {path}")
 
@@ -1257,6 +1271,9 @@ def experiment(args, out, files, train, dev, heldout, dev_scorer, timed, timings
         for seed in PRETRAIN_SEEDS[1:]:
             block = score_model(f"p{seed}", SHIPPED_MODELS[seed], headline, {arm: [1, 2] for arm in headline})
             block["pretrain"] = json.loads((SHIPPED_MODELS[seed] / TASK_FILE).read_text())
+            block["stats"] = {key: {arm: summarize(block[key][arm], block[key]["base"], block[f"base_stderr_{fmt}"])
+                                    for arm in headline}
+                              for key, fmt in (("heldout_avg", "primary"), ("transfer_avg", "transfer"))}
             results["by_model"][f"p{seed}"] = block
         for arm, steps in (("token", 300), ("none", 300)):  # a delayed gain or none: one long run, dev curve
             name = run_name(f"p{primary_model}", arm, 1) + f"-long{steps}"
@@ -1287,6 +1304,9 @@ def experiment(args, out, files, train, dev, heldout, dev_scorer, timed, timings
     plot(results, out / "miniature.png")
     print(format_table(results))
     print(format_table(results, "transfer_avg", "held-out, transfer (eval.py's default prompt)"))
+    for tag, block in results["by_model"].items():
+        print(format_table({**block, "arms": list(block["seeds"]), "n": args.n, "problems": len(heldout)},
+                           title=f"starting model {tag}, held-out, in the training format"))
     print(f"total {results['seconds']:.0f} s -> {out / 'results.json'}, {out / 'miniature.png'}")
     return results
 

@@ -319,7 +319,8 @@ def test_reference_step_figures():
     # the step-1 KL profile beside it is these positions' KL
     profile = json.loads((miniature.DATA / "step1_kl.json").read_text())
     assert profile["positions"] == N and profile["kl_mean"] == pytest.approx(kl.mean().item(), abs=1e-5)
-    assert profile["frac_above_tau"] == pytest.approx((kl > tau).double().mean().item(), abs=1e-9)
+    # the share above tau in float32 against float64: at most one position may sit on the other side of tau
+    assert abs(profile["frac_above_tau"] * N - int((kl > tau).sum())) <= 1 + 1e-3
     assert sum(profile["histogram_counts"]) == N
 
 
@@ -344,20 +345,27 @@ def metrics_without_timings(run):
 
 
 def test_a_fixed_seed_reproduces_exactly(task, tmp_path):
-    """Two runs of the token arm through opsd.py with --seed 1, the second on one OpenMP thread: identical
-    metrics.jsonl apart from timings, identical adapters; and their step 1 is the port-check fixture's."""
+    """Two runs of the token arm through opsd.py with --seed 1 on this machine: identical metrics.jsonl apart from
+    timings, identical adapters; a third on one OpenMP thread agrees to float32 rounding (its reductions run in
+    another order: on this model's step sizes the gradient norm differs in its last bits from step 2 on); and their
+    step 1 is the port-check fixture's."""
     miniature.write_jsonl(tmp_path / "train.jsonl", task[0])
     runs = []
-    for name, env in (("a", {}), ("b", {"OMP_NUM_THREADS": "1"})):
+    for name, env in (("a", {}), ("b", {}), ("c", {"OMP_NUM_THREADS": "1"})):
         out = tmp_path / name
         cmd = miniature.opsd_command(miniature.SHIPPED_MODEL, tmp_path / "train.jsonl", "token", 1, 4, 5e-3, out)
         miniature.run_logged(cmd, tmp_path / f"{name}.log", env=env)
         runs.append(out)
-    a, b = (metrics_without_timings(run) for run in runs)
+    a, b, c = (metrics_without_timings(run) for run in runs)
     assert len(a) == 4 and a == b
     assert len({r["loss"] for r in a}) == 4  # the steps differ from each other: the check compares real values
     adapter = opsd.ADAPTER_WEIGHTS
     assert (runs[0] / "final" / adapter).read_bytes() == (runs[1] / "final" / adapter).read_bytes()
+    for ra, rc in zip(a, c):
+        assert ra.keys() == rc.keys()
+        for key, value in ra.items():  # the sampler/trainer gap is float32 rounding itself: it stays at its floor
+            tolerance = dict(abs=1e-5) if key.startswith("logprob_gap") else dict(rel=1e-5, abs=1e-9)
+            assert rc[key] == pytest.approx(value, **tolerance), (ra["step"], key)
     expected = json.loads(REFERENCE.read_text())["expected"]["token"]
     for key in ("loss", "kl_mean", "kl_clipped_teacher_mass"):
         assert a[0][key] == pytest.approx(expected[key], abs=1e-6), key
