@@ -782,8 +782,10 @@ def format_table(results, key="heldout_avg", title="held-out, in the training fo
              f"{'base':<{w}}{'':>6}{100 * scores['base']:>7.1f}"]
     for arm in results["arms"]:
         s = stats[arm]
-        interval = f"{100 * (s['mean'] - s['ci95']):.1f}..{100 * (s['mean'] + s['ci95']):.1f}" if s["ci95"] else "-"
-        diff = f"{100 * s['vs_base']:+.1f}" + (f" +- {100 * s['vs_base_ci95']:.1f}" if s["vs_base_ci95"] else "")
+        interval = "-" if s["ci95"] is None else \
+            f"{100 * (s['mean'] - s['ci95']):.1f}..{100 * (s['mean'] + s['ci95']):.1f}"
+        diff = f"{100 * s['vs_base']:+.1f}"
+        diff += "" if s["vs_base_ci95"] is None else f" +- {100 * s['vs_base_ci95']:.1f}"
         per_seed = "  ".join(f"{100 * v:.1f}" for v in scores[arm])
         lines.append(f"{arm:<{w}}{len(scores[arm]):>6}{100 * s['mean']:>7.1f}{interval:>15}{diff:>17}   {per_seed}")
     return "\n".join(lines)
@@ -816,11 +818,12 @@ def plot(results, path):
         left.scatter([x + 0.25] * len(moved), moved, color=COLORS[arm], marker="x", zorder=3, s=14)
     left.set_xticks(range(len(arms)), arms, rotation=40, ha="right", rotation_mode="anchor")
     left.set_ylabel(f"held-out avg@{results['n']} (%)")
-    seeds = "one seed" if all(len(primary[a]) == 1 for a in arms) else "bars: mean over seeds, dots: seeds"
-    left.set_title(f"in the training format ({seeds}); x: transfer prompt")
+    seeds = "one seed" if all(len(primary[a]) == 1 for a in arms) else "bars: mean of the seeds"
+    left.set_title(f"held-out ({seeds}; x: transfer)", fontsize=10)
     left.set_ylim(0, 105)
     left.legend(loc="lower right", fontsize=8)
-    for ax, column, label in ((axes[1], 1, "sampled completion tokens"), (axes[2], 2, "seconds (sample + train + push)")):
+    for ax, column, label in ((axes[1], 1, "sampled completion tokens"),
+                              (axes[2], 2, "seconds (sample + train + push)")):
         for arm, points in results.get("dev_curves", {}).items():
             ax.plot([p[column] for p in points], [100 * p[3] for p in points], marker="o", ms=3,
                     color=COLORS.get(arm.split(" ")[0], "k"), label=arm)
@@ -914,8 +917,9 @@ def write_step1_profile(reference=DATA / "reference_step.json", model_dir=SHIPPE
     profile = kl_profile(kl, [len(r["completion_ids"]) for r in rows], ref["settings"]["tau"])
     tok, train = AutoTokenizer.from_pretrained(model_dir), make_task()[0]
     answers = {tuple(student_prompt(tok, r["problem"])): r["answer"] for r in train}
-    profile["rollouts_correct"] = sum(evaluation.extract_boxed(tok.decode(r["completion_ids"], skip_special_tokens=True))
-                                      == answers[tuple(r["student_prompt_ids"])] for r in rows) / len(rows)
+    right = [evaluation.extract_boxed(tok.decode(r["completion_ids"], skip_special_tokens=True))
+             == answers[tuple(r["student_prompt_ids"])] for r in rows]
+    profile["rollouts_correct"] = sum(right) / len(rows)
     (Path(reference).parent / "step1_kl.json").write_text(json.dumps(profile, indent=1) + "\n")
     return profile
 
@@ -971,7 +975,8 @@ def parse_args(argv=None):
     p.add_argument("--output-dir", help="results.json, the figure and one directory per run")
     p.add_argument("--arms", default=None, help=f"comma-separated, of {', '.join(ARMS)} (default: "
                                                 f"{','.join(HEADLINE_ARMS)}; --quick: {QUICK_ARM})")
-    p.add_argument("--seeds", default=None, help="comma-separated training seeds every chosen arm runs (default 1,2; --quick, --select: 1)")
+    p.add_argument("--seeds", default=None,
+                   help="comma-separated training seeds every chosen arm runs (default 1,2; --quick, --select: 1)")
     p.add_argument("--quick", action="store_true",
                    help=f"the test suite's check: {QUICK_ARM}, seed 1, {QUICK_STEPS} steps, held-out avg@1")
     p.add_argument("--full", action="store_true", help="the whole protocol of tests/miniature.md (resumable)")

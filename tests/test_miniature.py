@@ -182,8 +182,9 @@ def test_the_starting_models_were_accepted_by_the_fixed_rule(task):
     model = AutoModelForCausalLM.from_pretrained(miniature.SHIPPED_MODEL, dtype=torch.float32).eval()
     rows = dev[:100]
     student = [unbatched_greedy(model, tok, miniature.student_prompt(tok, r["problem"])) for r in rows]
-    teacher = [unbatched_greedy(model, tok, miniature.teacher_prompt(tok, r["problem"], f"{r['problem']}="
-                                                                                        f"{r['answer']}")) for r in rows]
+    references = [f"{r['problem']}={r['answer']}" for r in rows]
+    teacher = [unbatched_greedy(model, tok, miniature.teacher_prompt(tok, r["problem"], ref))
+               for r, ref in zip(rows, references)]
     batched = miniature.generate(model, tok, [miniature.student_prompt(tok, r["problem"]) for r in rows])
     assert sum(a == b for a, b in zip(student, batched)) >= 98  # batching changes at most a near-tie or two
     student_acc = sum(evaluation.extract_boxed(t) == r["answer"] for t, r in zip(student, rows)) / len(rows)
