@@ -1068,7 +1068,8 @@ def this_machine():
 
 
 def owned_files(out):
-    names = ["data", "results.json", "miniature.png", "settings.json", "timings.json", "selection.json"]
+    names = ["data", "results.json", "miniature.png", "settings.json", "timings.json", "selection.json",
+             "selection.txt", "selection.png"]
     return [out / n for n in names if (out / n).exists()] + sorted(p for p in out.glob("p[0-9]-*"))
 
 
@@ -1168,6 +1169,8 @@ def select(args, out, files, train, dev, heldout, dev_scorer, timed):
                       flush=True)
     selection["chosen"] = choose_lrs(selection)
     path.write_text(json.dumps(selection, indent=2) + "\n")
+    (out / "selection.txt").write_text(format_selection(selection) + "\n")
+    plot_selection(selection, out / "selection.png")
     print(format_selection(selection))
     return selection
 
@@ -1204,6 +1207,31 @@ def format_selection(selection):
         lines.append(f"chosen: {family} lr {c['lr']:g} (dev {100 * c['dev_avg']:.1f})"
                      + ("; best at the grid's edge: extend the grid" if c["extend"] else ""))
     return "\n".join(lines)
+
+
+def plot_selection(selection, path):
+    """The dev curves of the selection runs, one panel per lr family."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    families = sorted({r["family"] for r in selection["runs"].values()})
+    fig, axes = plt.subplots(1, len(families), figsize=(4.2 * len(families), 3.8), squeeze=False)
+    for ax, family in zip(axes[0], families):
+        for name, r in selection["runs"].items():
+            if r["family"] == family:
+                ax.plot([p[0] for p in r["curve"]], [100 * p[3] for p in r["curve"]], marker="o", ms=3,
+                        label=f"{r['arm']} lr {r['lr']:g}")
+        chosen = selection.get("chosen", {}).get(family)
+        ax.set_title(family + (f" (chosen lr {chosen['lr']:g})" if chosen else ""), fontsize=10)
+        ax.set_xlabel("optimizer step")
+        ax.set_ylabel(f"dev avg@{EVAL_N}, training format (%)")
+        ax.set_ylim(-2, 102)
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
 
 
 def best_opsd_arm(scores):
