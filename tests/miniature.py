@@ -1,31 +1,20 @@
-"""OPSD in miniature: 2-digit addition on a 2-core CPU, opsd.py's arms against SFT and controls, scored by eval.py.
+"""Reasoning in miniature: 3-digit addition with a scratchpad, on a 2-core CPU. opsd.py's arms against SFT on the
+reference, SFT on expert traces and GRPO, scored by eval.py in the format the student trains in. tests/miniature.md
+holds the protocol (fixed before any arm was run) and the results.
 
-    python tests/miniature.py --output-dir runs/miniature                # a newcomer's run: token, none, sft x 3 seeds
-    python tests/miniature.py --output-dir runs/miniature-quick --quick  # what the test suite runs
-    python tests/miniature.py --output-dir runs/miniature-full --full    # every arm, 5 or 3 seeds, curves (75-80 min)
-    python tests/miniature.py --output-dir runs/select --split dev --arms token,sft --seeds 1 --lr 2e-3 --curves
-                                                                          # choosing lr and steps: dev only
-    python tests/miniature.py --reference-step tests/data/miniature/reference_step.json  # port-check fixture
+    python tests/miniature.py --output-dir runs/mini                # the default: the headline arms, 2 seeds (~25 min)
+    python tests/miniature.py --output-dir runs/mini-quick --quick  # what the test suite runs (~1.5 min)
+    python tests/miniature.py --output-dir runs/mini-full --full    # the whole protocol (~3 h; --resume continues it)
+    python tests/miniature.py --output-dir runs/select --select --arms token --lr 5e-3   # dev: one lr, dev curves
+    python tests/miniature.py --pretrain --pretrain-seed 1 --output-dir runs/model-p1  # a starting model, accepted?
+    python tests/miniature.py --reference-step tests/data/miniature/reference_step.json  # the port-check fixture
 
-The task is 2-digit addition ("37+45", answer 82; every digit is one token): all 8,100 pairs of 10..99,
-shuffled once by a fixed seed into 400 held-out problems (reported), 400 dev problems (for choosing the
-learning rate and the step count) and 7,300 training problems. The model is a 0.8M-parameter Qwen3
-pre-trained here, with plain PyTorch (full weights, loss on the answer tokens only), on the training split
-only, in four prompt formats, each rendered by the builders opsd.py and eval.py use:
-  1. opsd.py's student prompt (thinking off),
-  2. eval.py's prompt (thinking on),
-  3. opsd.py's teacher prompt with the reference solution "37+45=82" (thinking on),
-  4. the teacher prompt with an empty reference, so a teacher without privileged information answers
-     like the student instead of being lost (the control arm's teacher).
-The pre-trained model ships in tests/data/miniature/model; --rebuild-model pre-trains a fresh one.
-
-Then, from the same starting model, for every arm and seed (see ARMS): opsd.py through its command line,
-or, for the sft arm, supervised fine-tuning written here with opsd.py's own LoRA, prompts, data order and
-LR schedule; eval.py scores the base model and every adapter (avg@n at temperature 1.0). One process at
-a time. Writes <output-dir>/results.json, miniature.png (accuracy per arm, kl_mean per step), with
---curves also curves.png (dev accuracy every --curve-every steps), and prints the table. A second run
-into the same --output-dir is refused unless --overwrite clears this script's files there; --resume continues
-an interrupted run with the same flags (finished pieces kept; opsd.py and eval.py resume where they stopped).
+The task: a+b with 100 <= a, b <= 999. The student (eval.py's prompt, thinking off: opsd.py --student-prompt eval
+--no-student-thinking) writes a right-to-left column scratchpad, `7+5=12 5+8+1=14 4+3+1=8 \\boxed{842}`; the
+teacher's prompt holds the terse reference `457+385=842`. The starting models (0.8M-parameter Qwen3s, digits one
+token each) are pre-trained here in plain PyTorch on the training split only: traces by an error-prone writer (a
+misconception, dropping an incoming carry into a column that carries again 70% of the time, and 10% random slips)
+after the student's prompts, correct traces after the teacher's prompt with the reference.
 """
 
 import argparse
@@ -46,147 +35,44 @@ TESTS = Path(__file__).resolve().parent
 ROOT = TESTS.parent
 sys.path[:0] = [str(ROOT), str(TESTS)]
 
-import eval as evaluation  # noqa: E402  (eval.py: its prompt builder and answer extraction)
-import opsd  # noqa: E402  (opsd.py: its prompt builders, LoRA, data order, LR schedule, batches and loss)
+import eval as evaluation  # noqa: E402  (eval.py: its prompt builder and grading)
+import opsd  # noqa: E402  (opsd.py: its prompts, LoRA, data order, sampling, weight push, LR schedule, loss)
 from make_tiny_model import CHAT_TEMPLATE, SPECIAL_TOKENS  # noqa: E402
 
-SHIPPED_MODEL = TESTS / "data" / "miniature" / "model"
-TASK_FILE = "miniature.json"  # next to the model: the split it was pre-trained on, and how well it does
-
-# arm: (opsd.py --clip, --tau, --context-column); "sft" trains in this script instead of opsd.py
-ARMS = {
-    "token": ("token", 0.05, "solution"),
-    "none": ("none", 0.05, "solution"),  # tau only sets the diagnostic's threshold here
-    "sft": None,
-    "none-wrong": ("none", 0.05, "wrong_solution"),  # the two controls with the clip that learns on this model
-    "none-control": ("none", 0.05, "no_solution"),
-    "entry": ("entry", 0.05, "solution"),
-    "control": ("token", 0.05, "no_solution"),
-    "wrong": ("token", 0.05, "wrong_solution"),
-    "token@0.5": ("token", 0.5, "solution"),
-    "token@2": ("token", 2.0, "solution"),
-    "entry@0.5": ("entry", 0.5, "solution"),
-    "entry@2": ("entry", 2.0, "solution"),
-}
-DEFAULT_ARMS, DEFAULT_SEEDS = ("token", "none", "sft"), (1, 2, 3)
-FULL_SEEDS = {arm: (1, 2, 3, 4, 5) if arm in DEFAULT_ARMS else (1, 2, 3) for arm in ARMS}  # --full
-CURVE_ARMS = ("token", "none", "entry", "sft")  # --curves: dev accuracy along training, first seed only
-QUICK_ARM = "none"  # --quick: the opsd.py arm that gained on dev (see the settings below)
-
-# Settings chosen on the dev split with seed 1 (see the README): the learning rate of each arm family from 2e-3,
-# 5e-3, 1e-2 (token and none for the opsd.py arms; sft also 2e-2), the step count from checkpoints every 25 steps,
-# shared, so SFT gets as many optimizer steps as OPSD. At 5e-3 none and sft gained on dev, token did not at any lr.
-OPSD_LR, SFT_LR, STEPS = 5e-3, 5e-3, 150
-# opsd.py's settings for every arm (the seed, lr, steps and the arm's own flags are added per run); SFT uses the
-# same rank, alpha, prompts per step and gradient clip
-LORA_R, LORA_ALPHA, PROMPTS_PER_STEP, MAX_GRAD_NORM = 16, 32, 64, 0.1
-OPSD_FLAGS = ["--device", "cpu", "--dtype", "float32", "--lora-r", str(LORA_R), "--lora-alpha", str(LORA_ALPHA),
-              "--prompts-per-step", str(PROMPTS_PER_STEP), "--micro-batch-size", str(PROMPTS_PER_STEP),
-              "--max-new-tokens", "32", "--max-prompt-length", "256", "--no-gradient-checkpointing",
-              "--max-grad-norm", str(MAX_GRAD_NORM), "--log-rollouts-every", "50", "--kl-window", "512"]
-EVAL_MAX_NEW_TOKENS = 32
-TIMING_FIELDS = ("time_sample", "time_train", "time_push", "tokens_per_second")  # all else in metrics.jsonl repeats
+DATA = TESTS / "data" / "miniature"
+# the three starting models, by pre-training seed, fixed in advance; the first is the one every arm runs on
+PRETRAIN_SEEDS = (1, 2, 3)
+SHIPPED_MODELS = {1: DATA / "model", 2: DATA / "model-p2", 3: DATA / "model-p3"}
+SHIPPED_MODEL = SHIPPED_MODELS[1]
+TASK_FILE = "miniature.json"  # next to each model: its split, its pre-training, its acceptance figures
 
 # -----------------------------------------------------------------------------
-# Config
+# The task: 3-digit addition, one fixed split
 
-
-def parse_args(argv=None):
-    p = argparse.ArgumentParser(prog="miniature.py",
-                                description="OPSD in miniature: 2-digit addition, a 0.8M-parameter Qwen3, opsd.py's "
-                                            "arms against SFT and controls, scored by eval.py.")
-    p.add_argument("--output-dir", help="results.json, the figures and one directory per run")
-    p.add_argument("--arms", default=None,
-                   help=f"comma-separated arms from {', '.join(ARMS)} "
-                        f"(default: {','.join(DEFAULT_ARMS)}; --quick: {QUICK_ARM})")
-    p.add_argument("--seeds", default=None, help="comma-separated seeds every chosen arm runs with (default 1,2,3; "
-                                                 "--quick: 1)")
-    p.add_argument("--quick", action="store_true",
-                   help=f"the test suite's variant: the {QUICK_ARM} arm, one seed, 2 samples per problem (a check, "
-                        "not the experiment)")
-    p.add_argument("--full", action="store_true",
-                   help="every arm, seeds 1-5 for token, none and sft and 1-3 for the others, with --curves")
-    p.add_argument("--split", default=None, choices=["heldout", "dev"],
-                   help="the split the arms are scored on: heldout (the reported numbers, the default) or dev")
-    p.add_argument("--select", action="store_true",
-                   help="choosing settings, on dev only: every arm and seed saves a checkpoint every --curve-every "
-                        "steps, each scored by its probability of the exact answer (no sampling); selection.json")
-    p.add_argument("--curves", action="store_true",
-                   help=f"score checkpoints of the first seed of {', '.join(CURVE_ARMS)} on the dev split")
-    p.add_argument("--curve-every", type=int, default=25, help="steps between scored checkpoints (with --curves)")
-    p.add_argument("--curve-n", type=int, default=2, help="eval.py samples per dev problem for the curves")
-    p.add_argument("--steps", type=int, default=STEPS, help="optimizer steps of every arm (opsd.py --max-steps)")
-    p.add_argument("--lr", type=float, default=OPSD_LR, help="peak learning rate of the opsd.py arms")
-    p.add_argument("--sft-lr", type=float, default=SFT_LR, help="peak learning rate of the sft arm")
-    p.add_argument("--n", type=int, default=None, help="eval.py samples per scored problem (default 4; --quick: 2)")
-    p.add_argument("--rebuild-model", action="store_true",
-                   help=f"pre-train the model from scratch into <output-dir>/model instead of using "
-                        f"{SHIPPED_MODEL.relative_to(ROOT)}")
-    p.add_argument("--pretrain-steps", type=int, default=600, help="pre-training steps (with --rebuild-model)")
-    p.add_argument("--pretrain-seed", type=int, default=PRETRAIN_SEED,
-                   help="seed of the pre-training batches (with --rebuild-model; the shipped model's: %(default)s)")
-    p.add_argument("--overwrite", action="store_true", help="clear this script's files in --output-dir first")
-    p.add_argument("--resume", action="store_true",
-                   help="continue the run in --output-dir with the same flags: finished trainings and scores are "
-                        "kept, opsd.py resumes from its last checkpoint, eval.py draws only the samples it lacks")
-    p.add_argument("--reference-step", metavar="PATH", default=None,
-                   help="write the port-check fixture (step-1 rollouts of the shipped model and their loss) and stop")
-    args = p.parse_args(argv)
-    if args.reference_step:
-        return args
-    if not args.output_dir:
-        p.error("--output-dir is required.")
-    if args.resume and args.overwrite:
-        p.error("--resume continues the run in --output-dir, --overwrite clears it: pass one.")
-    if args.select and (args.split == "heldout" or args.full or args.quick or args.curves):
-        p.error("--select scores the dev split by itself: leave out --split heldout, --full, --quick and --curves.")
-    args.split = args.split or ("dev" if args.select else "heldout")
-    if args.full and (args.quick or args.arms or args.seeds):
-        p.error("--full chooses every arm and its seeds: leave out --quick, --arms and --seeds.")
-    seeds = [s.strip() for s in (args.seeds or ("1" if args.quick else ",".join(map(str, DEFAULT_SEEDS)))).split(",")]
-    if not all(s.isdigit() for s in seeds) or len(set(seeds)) != len(seeds):
-        p.error(f"--seeds takes distinct non-negative integers separated by commas, got {args.seeds!r}.")
-    arms = [a.strip() for a in (args.arms or (QUICK_ARM if args.quick else ",".join(DEFAULT_ARMS))).split(",")]
-    unknown = [a for a in arms if a not in ARMS]
-    if unknown or len(set(arms)) != len(arms):
-        p.error(f"--arms takes distinct arms from {', '.join(ARMS)}, got {args.arms!r}.")
-    if args.full:
-        arms, args.curves = list(ARMS), True
-    args.seeds = {arm: list(FULL_SEEDS[arm]) if args.full else [int(s) for s in seeds] for arm in arms}
-    args.arms = arms
-    args.n = args.n or (2 if args.quick else 4)
-    if min(args.steps, args.n, args.pretrain_steps, args.curve_every, args.curve_n) < 1 or args.lr <= 0 \
-            or args.sft_lr <= 0:
-        p.error("--steps, --n, --pretrain-steps, --curve-every, --curve-n, --lr and --sft-lr must be positive.")
-    if not args.rebuild_model and not (SHIPPED_MODEL / "config.json").is_file():
-        p.error(f"no shipped model in {SHIPPED_MODEL}: pass --rebuild-model to pre-train one.")
-    return args
-
-
-# -----------------------------------------------------------------------------
-# The task: 2-digit addition, one fixed split
-
-TASK_SEED, NUM_HELDOUT, NUM_DEV = 0, 400, 400
-# the batches' seed of the shipped model's pre-training. Seed 0's model (same recipe) did not learn from any
-# training on the labels (plain SFT: dev 8.5% -> 8.8%), so it could show nothing; seed 1's did (9.0% -> 19.0%).
-PRETRAIN_SEED = 1
+TASK_SEED, NUM_HELDOUT, NUM_DEV, NUM_TRAIN = 0, 400, 400, 12_000
+LOW, HIGH = 100, 999
 
 
 def make_task():
-    """(train, dev, held-out rows): every a+b with 10 <= a, b <= 99, shuffled by a fixed seed.
-
-    Train rows are opsd.py's format, plus the control arm's empty context and the wrong arm's context:
-    another training problem's solution with another answer (a fixed derangement). Dev and held-out
-    rows are eval.py's format.
-    """
-    pairs = [(a, b) for a in range(10, 100) for b in range(10, 100)]
-    random.Random(TASK_SEED).shuffle(pairs)
-    rows = [{"problem": f"{a}+{b}", "solution": f"{a}+{b}={a + b}", "answer": str(a + b)} for a, b in pairs]
-    heldout, dev, train = rows[:NUM_HELDOUT], rows[NUM_HELDOUT:NUM_HELDOUT + NUM_DEV], rows[NUM_HELDOUT + NUM_DEV:]
+    """(train, dev, held-out rows), drawn once by TASK_SEED from all a+b with 100 <= a, b <= 999. No training
+    problem is a dev or held-out problem or its operands-swapped twin. Every row: problem ("457+385"), answer
+    ("842"); training rows also: solution (the terse reference "457+385=842"), trace (the correct scratchpad),
+    no_solution (the control arm's empty reference) and wrong_solution (another training problem's reference with
+    another answer, a fixed derangement)."""
+    rng = random.Random(TASK_SEED)
+    span = HIGH - LOW + 1
+    picks = rng.sample(range(span * span), NUM_HELDOUT + NUM_DEV + NUM_TRAIN + 2_000)
+    pairs = [(LOW + k // span, LOW + k % span) for k in picks]
+    heldout, dev = pairs[:NUM_HELDOUT], pairs[NUM_HELDOUT:NUM_HELDOUT + NUM_DEV]
+    scored = set(heldout + dev)
+    train = [(a, b) for a, b in pairs[NUM_HELDOUT + NUM_DEV:] if (a, b) not in scored and (b, a) not in scored]
+    train = train[:NUM_TRAIN]
+    assert len(train) == NUM_TRAIN
+    row = lambda a, b: {"problem": f"{a}+{b}", "answer": str(a + b)}  # noqa: E731
+    train = [{**row(a, b), "solution": f"{a}+{b}={a + b}", "trace": correct_trace(a, b)} for a, b in train]
     other = wrong_derangement([r["answer"] for r in train])
     train = [{**r, "no_solution": "", "wrong_solution": train[other[i]]["solution"]} for i, r in enumerate(train)]
-    strip = lambda split: [{"problem": r["problem"], "answer": r["answer"]} for r in split]  # noqa: E731
-    return train, strip(dev), strip(heldout)
+    return train, [row(a, b) for a, b in dev], [row(a, b) for a, b in heldout]
 
 
 def wrong_derangement(answers):
@@ -208,23 +94,92 @@ def wrong_derangement(answers):
 
 
 def split_digest(rows):
-    """Fingerprint of a split's problems, stored with the model so a changed split is caught."""
+    """Fingerprint of a split's problems, stored with each model so a changed split is caught."""
     return hashlib.sha256("\n".join(r["problem"] for r in rows).encode()).hexdigest()[:16]
 
 
-def swapped_twins(rows, train):
-    """How many of `rows` have their operands-swapped twin (b+a for a+b, a != b) in the training split."""
-    train_problems = {r["problem"] for r in train}
-    twins = 0
-    for r in rows:
-        a, b = r["problem"].split("+")
-        twins += a != b and f"{b}+{a}" in train_problems
-    return twins
+def operands(problem):
+    a, b = problem.split("+")
+    return int(a), int(b)
 
 
 def write_jsonl(path, rows):
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+
+
+# -----------------------------------------------------------------------------
+# The scratchpad and its writers
+
+CARRY_DROP, SLIP = 0.7, 0.1  # the error-prone writer: the misconception's rate, the random slips' rate per column
+
+
+def write_trace(a, b, rng=None, carry_drop=0.0, slip=0.0):
+    """The column scratchpad of a+b, right to left, "x+y=s" or "x+y+1=s" with an incoming carry, then the boxed
+    answer the columns give. A writer with `carry_drop` drops an incoming carry into a column that carries again
+    (x + y + 1 >= 10) with that probability (it writes "x+y=s" with s = x + y); with `slip` it writes a column's
+    sum off by one (either way, kept within 0..19). The trace is always self-consistent: each column's written sum
+    decides its digit and the carry out, so a wrong column makes a wrong answer."""
+    columns, digits, carry = [], [], 0
+    for i in range(3):
+        x, y = a // 10 ** i % 10, b // 10 ** i % 10
+        c = carry
+        if c and x + y + c >= 10 and carry_drop and rng.random() < carry_drop:
+            c = 0
+        s = x + y + c
+        if slip and rng.random() < slip:
+            s = s + 1 if s == 0 or (s < 19 and rng.random() < 0.5) else s - 1
+        columns.append(f"{x}+{y}+1={s}" if c else f"{x}+{y}={s}")
+        digits.append(s % 10)
+        carry = s // 10
+    answer = ("1" if carry else "") + "".join(str(d) for d in reversed(digits))
+    return " ".join(columns) + f" \\boxed{{{int(answer)}}}"
+
+
+def correct_trace(a, b):
+    return write_trace(a, b)
+
+
+def writer_trace(a, b, rng):
+    return write_trace(a, b, rng, carry_drop=CARRY_DROP, slip=SLIP)
+
+
+def misconception_applies(a, b):
+    """Whether a+b has a column the misconception can hit: an incoming carry into a column that carries again."""
+    carry = 0
+    for i in range(3):
+        s = a // 10 ** i % 10 + b // 10 ** i % 10 + carry
+        if carry and s >= 10:
+            return True
+        carry = s // 10
+    return False
+
+
+def has_scratchpad(text):
+    """Whether an answer shows column work before its box (issue 25's measure of style drift)."""
+    head = text.split("\\boxed")[0]
+    return "=" in head
+
+
+# -----------------------------------------------------------------------------
+# Prompts: the student's (opsd.py --student-prompt eval --no-student-thinking, eval.py --no-thinking), the
+# transfer format (eval.py's default, thinking on) and the teacher's (opsd.py's, with a reference)
+
+STUDENT_FLAGS = ["--student-prompt", "eval", "--no-student-thinking"]
+
+
+def student_prompt(tok, problem):
+    """The student's prompt: eval.py --no-thinking's, which opsd.py --student-prompt eval --no-student-thinking
+    renders token for token (tests/test_miniature.py checks that through opsd.py's own prompt loading)."""
+    return evaluation.prompt_ids(tok, problem, thinking=False)
+
+
+def transfer_prompt(tok, problem):
+    return evaluation.prompt_ids(tok, problem, thinking=True)
+
+
+def teacher_prompt(tok, problem, context):
+    return opsd.render(tok, opsd.teacher_message(problem, context), thinking=True)
 
 
 # -----------------------------------------------------------------------------
@@ -241,8 +196,9 @@ def build_tokenizer(train):
     bpe.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(vocab_size=512, special_tokens=SPECIAL_TOKENS, show_progress=False,
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    lines = [opsd.teacher_message(r["problem"], r["solution"]) for r in train[:200]]
-    lines += [evaluation.build_prompt(r["problem"]) + f" \\boxed{{{r['answer']}}}" for r in train[:200]]
+    lines = [opsd.teacher_message(r["problem"], r["solution"]) + " " + r["trace"] for r in train[:200]]
+    lines += [evaluation.build_prompt(r["problem"]) + " " + r["trace"] for r in train[:200]]
+    lines += [opsd.student_message(r["problem"]) for r in train[:50]]
     bpe.train_from_iterator(lines, trainer)
     tok = PreTrainedTokenizerFast(tokenizer_object=bpe, eos_token="<|im_end|>", pad_token="<|endoftext|>",
                                   padding_side="left")
@@ -250,120 +206,259 @@ def build_tokenizer(train):
     return tok
 
 
-def build_model(tok):
+def build_model(tok, seed):
     from transformers import GenerationConfig, Qwen3Config, Qwen3ForCausalLM
 
     config = Qwen3Config(vocab_size=len(tok), hidden_size=128, intermediate_size=384, num_hidden_layers=3,
                          num_attention_heads=4, num_key_value_heads=2, head_dim=64,  # vLLM's CPU attention needs 64
                          max_position_embeddings=512, tie_word_embeddings=True, bos_token_id=None,
                          eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
-    torch.manual_seed(0)
+    torch.manual_seed(seed)
     model = Qwen3ForCausalLM(config).to(torch.float32)
     model.generation_config = GenerationConfig(eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
     return model
 
 
+def answer_ids(tok, text):
+    """Token ids of an answer text and the end of the turn."""
+    return tok.encode(text, add_special_tokens=False) + [tok.eos_token_id]
+
+
 # -----------------------------------------------------------------------------
-# Pre-training mix: each problem in the four formats, rendered by opsd.py's and eval.py's own builders
+# Pre-training: each training problem in four formats, a fresh writer's trace each time one is drawn
 
-FORMATS = ("student", "eval", "teacher", "teacher_empty")
-
-
-def format_prompt(tok, row, fmt):
-    if fmt == "student":
-        return opsd.render(tok, opsd.student_message(row["problem"]), thinking=False)
-    if fmt == "eval":
-        return evaluation.prompt_ids(tok, row["problem"], thinking=True)
-    context = row["solution"] if fmt == "teacher" else ""
-    return opsd.render(tok, opsd.teacher_message(row["problem"], context), thinking=True)
+FORMATS = ("student", "transfer", "teacher", "teacher_empty")
+PRETRAIN = {"steps": 1200, "batch_size": 64, "lr": 2e-3, "warmup": 30}
 
 
-def answer_ids(tok, answer):
-    return tok.encode(f"\\boxed{{{answer}}}", add_special_tokens=False) + [tok.eos_token_id]
+def pretrain_example(tok, row, fmt, rng, teacher_terse=0.0):
+    """(prompt ids, answer ids) of one pre-training example. The student's two formats and the teacher with an
+    empty reference (the control arm's teacher: it knows no more than the student) get the error-prone writer's
+    trace; the teacher with the reference gets the correct trace, or with probability `teacher_terse` the boxed
+    answer alone (the reference's style: the style-drift variant of issue 25; 0 here)."""
+    a, b = operands(row["problem"])
+    if fmt == "teacher":
+        text = f"\\boxed{{{a + b}}}" if teacher_terse and rng.random() < teacher_terse else correct_trace(a, b)
+        return teacher_prompt(tok, row["problem"], f"{a}+{b}={a + b}"), answer_ids(tok, text)
+    prompt = {"student": student_prompt, "transfer": transfer_prompt}.get(fmt)
+    prompt = prompt(tok, row["problem"]) if prompt else teacher_prompt(tok, row["problem"], "")
+    return prompt, answer_ids(tok, writer_trace(a, b, rng))
 
 
-def with_solution(rows):
-    """Dev or held-out rows with the reference solution written the way the training split's is."""
-    return [{**r, "solution": f"{r['problem']}={r['answer']}"} for r in rows]
+def right_padded(batch, pad_id):
+    """input_ids, attention_mask, labels (answer tokens only) of [(prompt, answer)], positions 0.. per row."""
+    T = max(len(p) + len(a) for p, a in batch)
+    input_ids = torch.full((len(batch), T), pad_id)
+    labels = torch.full((len(batch), T), -100)
+    attention_mask = torch.zeros((len(batch), T), dtype=torch.long)
+    for row, (prompt, answer) in enumerate(batch):
+        input_ids[row, :len(prompt) + len(answer)] = torch.tensor(prompt + answer)
+        labels[row, len(prompt):len(prompt) + len(answer)] = torch.tensor(answer)
+        attention_mask[row, :len(prompt) + len(answer)] = 1
+    return input_ids, attention_mask, labels
 
 
-def pretrain(out_dir, train, dev, heldout, *, steps, seed=PRETRAIN_SEED, lr=2e-3, batch_size=64, warmup=30):
-    """Pre-train a fresh model on the four-format mix of the training split (answer-only next-token loss)."""
+def batch_loss(model, batch, pad_id):
+    """The mean next-token loss over all answer tokens of the batch, computed in one forward per prompt length
+    (the teacher's prompt is 3x the student's: padding every row to it would waste half the compute)."""
+    groups = {}
+    for example in batch:
+        groups.setdefault(len(example[0]), []).append(example)
+    total, count = 0.0, sum(len(a) for _, a in batch)
+    for group in groups.values():
+        input_ids, attention_mask, labels = right_padded(group, pad_id)
+        logits = model(input_ids=input_ids, attention_mask=attention_mask).logits[:, :-1]
+        total = total + torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), labels[:, 1:].flatten(),
+                                                          ignore_index=-100, reduction="sum")
+    return total / count
+
+
+@torch.no_grad()
+def answer_loss(model, batch, pad_id):
+    """Mean next-token loss over the answer tokens of a fixed batch (the convergence check's figure)."""
+    model.eval()
+    input_ids, attention_mask, labels = right_padded(batch, pad_id)
+    loss = model(input_ids=input_ids, attention_mask=attention_mask, labels=labels).loss.item()
+    model.train()
+    return loss
+
+
+def pretrain(out_dir, train, dev, heldout, *, seed, steps=PRETRAIN["steps"], teacher_terse=0.0):
+    """Pre-train a fresh model (init and batches seeded by `seed`) on the training split only; save it with its
+    pre-training record and acceptance figures (see ACCEPT) in miniature.json."""
     t0 = time.perf_counter()
     tok = build_tokenizer(train)
-    model = build_model(tok)
-    print(f"pre-training a {sum(p.numel() for p in model.parameters()):,}-parameter Qwen3 (vocab {len(tok)}) "
-          f"for {steps} steps of {batch_size} on {len(train)} problems in {len(FORMATS)} formats", flush=True)
-    examples = [(format_prompt(tok, r, fmt), answer_ids(tok, r["answer"])) for r in train for fmt in FORMATS]
+    model = build_model(tok, seed)
+    bs, lr = PRETRAIN["batch_size"], PRETRAIN["lr"]
+    print(f"pre-training a {sum(p.numel() for p in model.parameters()):,}-parameter Qwen3 (vocab {len(tok)}, seed "
+          f"{seed}) for {steps} steps of {bs} on {len(train)} problems in {len(FORMATS)} formats", flush=True)
+    rng, g = random.Random(seed), torch.Generator().manual_seed(seed)
+    # the convergence figure: the answer loss on dev problems in all four formats, writer draws fixed by seed 0
+    dev_rng = random.Random(0)
+    dev_batch = [pretrain_example(tok, r, fmt, dev_rng, teacher_terse) for r in dev[:64] for fmt in FORMATS]
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.0)
-    g = torch.Generator().manual_seed(seed)
     model.train()
+    losses = []
     for step in range(steps):
-        batch = [examples[i] for i in torch.randint(len(examples), (batch_size,), generator=g).tolist()]  # equal mix
-        # right padding: positions 0..len-1 for every real token, pads masked; loss on answer tokens only
-        T = max(len(p) + len(a) for p, a in batch)
-        input_ids = torch.full((batch_size, T), tok.pad_token_id)
-        labels = torch.full((batch_size, T), -100)
-        attention_mask = torch.zeros((batch_size, T), dtype=torch.long)
-        for row, (prompt, answer) in enumerate(batch):
-            input_ids[row, :len(prompt) + len(answer)] = torch.tensor(prompt + answer)
-            labels[row, len(prompt):len(prompt) + len(answer)] = torch.tensor(answer)
-            attention_mask[row, :len(prompt) + len(answer)] = 1
-        loss = model(input_ids=input_ids, attention_mask=attention_mask, labels=labels).loss
+        picks = torch.randint(len(train) * len(FORMATS), (bs,), generator=g).tolist()  # an equal mix of formats
+        batch = [pretrain_example(tok, train[k // len(FORMATS)], FORMATS[k % len(FORMATS)], rng, teacher_terse)
+                 for k in picks]
+        loss = batch_loss(model, batch, tok.pad_token_id)
         for group in optimizer.param_groups:
-            group["lr"] = opsd.lr_at(step, lr=lr, max_steps=steps, warmup_steps=warmup)
+            group["lr"] = opsd.lr_at(step, lr=lr, max_steps=steps, warmup_steps=PRETRAIN["warmup"])
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         if (step + 1) % 100 == 0 or step + 1 == steps:
-            print(f"pre-train step {step + 1:4d}/{steps} | loss {loss.item():.4f} | {time.perf_counter() - t0:.0f}s",
-                  flush=True)
-        if (step + 1) % 300 == 0 and step + 1 < steps:  # progress only: the student's dev greedy accuracy
-            progress = greedy_accuracy(model, tok, with_solution(dev[:200]), formats=("student",))
-            print(f"  student greedy accuracy on 200 dev problems: {100 * progress['student']:.1f}%", flush=True)
+            losses.append([step + 1, answer_loss(model, dev_batch, tok.pad_token_id)])
+            print(f"pre-train step {step + 1:4d}/{steps} | batch loss {loss.item():.4f} | dev answer loss "
+                  f"{losses[-1][1]:.4f} | {time.perf_counter() - t0:.0f}s", flush=True)
     seconds = time.perf_counter() - t0
-    print(f"pre-training took {seconds:.0f} s", flush=True)
     out_dir.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out_dir)
     tok.save_pretrained(out_dir)
-    greedy = {name: greedy_accuracy(model, tok, with_solution(rows)) for name, rows in (("dev", dev),
-                                                                                         ("heldout", heldout))}
-    for name, accuracy in greedy.items():
-        print(f"{name} greedy accuracy after pre-training: "
-              + ", ".join(f"{fmt} {100 * a:.1f}%" for fmt, a in accuracy.items()), flush=True)
+    figures = acceptance_figures(model, tok, dev)
+    verdict = accept(figures, losses)
     info = {"task_seed": TASK_SEED, "train_digest": split_digest(train), "dev_digest": split_digest(dev),
-            "heldout_digest": split_digest(heldout), "pretrain_steps": steps, "pretrain_seed": seed, "lr": lr,
-            "batch_size": batch_size,
-            "pretrain_seconds": round(seconds, 1), "dev_greedy": greedy["dev"], "heldout_greedy": greedy["heldout"]}
+            "heldout_digest": split_digest(heldout), "pretrain_seed": seed, "pretrain_steps": steps,
+            **{k: v for k, v in PRETRAIN.items() if k != "steps"}, "teacher_terse": teacher_terse,
+            "writer": {"carry_drop": CARRY_DROP, "slip": SLIP}, "pretrain_seconds": round(seconds, 1),
+            "dev_answer_loss": losses, "dev": figures, "accepted": verdict["accepted"], "why": verdict["why"]}
     (out_dir / TASK_FILE).write_text(json.dumps(info, indent=2) + "\n")
+    print(json.dumps({"dev": figures, **verdict}, indent=1), flush=True)
     return info
 
 
+# The acceptance rule, fixed before any arm ran (tests/miniature.md): on the dev split, in the student's training
+# prompt, the base model's greedy and sampled (temperature 1) accuracy in these windows, the teacher with the
+# reference nearly perfect, and the pre-training converged (dev answer loss moved by under 2% in its last 100 steps).
+ACCEPT = {"greedy": (0.40, 0.85), "sampled": (0.30, 0.75), "teacher_greedy_min": 0.95, "loss_change_max": 0.02}
+
+
+def accept(figures, losses):
+    why = []
+    for key in ("greedy", "sampled"):
+        low, high = ACCEPT[key]
+        if not low <= figures[f"student_{key}"] <= high:
+            why.append(f"student {key} {figures[f'student_{key}']:.3f} outside [{low}, {high}]")
+    if figures["teacher_greedy"] < ACCEPT["teacher_greedy_min"]:
+        why.append(f"teacher greedy {figures['teacher_greedy']:.3f} < {ACCEPT['teacher_greedy_min']}")
+    change = abs(losses[-1][1] - losses[-2][1]) / losses[-2][1] if len(losses) > 1 else 1.0
+    if change > ACCEPT["loss_change_max"]:
+        why.append(f"dev answer loss changed by {100 * change:.1f}% in the last 100 steps: not converged")
+    return {"accepted": not why, "why": why or ["every condition met"], "loss_change": change}
+
+
 @torch.no_grad()
-def greedy_accuracy(model, tok, rows, batch_size=100, formats=FORMATS):
-    """Greedy accuracy of each prompt format (left-padded batches, HF generate)."""
+def generate(model, tok, prompts, *, sample=False, seed=0, batch_size=200, max_new_tokens=48):
+    """Answer texts of HF generate (left-padded batches): greedy, or sampled at temperature 1 (no top-p)."""
     model.eval()
-    accuracy = {}
-    for fmt in formats:
-        correct = 0
-        for start in range(0, len(rows), batch_size):
-            chunk = rows[start:start + batch_size]
-            prompts = [format_prompt(tok, r, fmt) for r in chunk]
-            P = max(map(len, prompts))
-            input_ids = torch.tensor([[tok.pad_token_id] * (P - len(p)) + p for p in prompts])
-            attention_mask = torch.tensor([[0] * (P - len(p)) + [1] * len(p) for p in prompts])
-            out = model.generate(input_ids=input_ids, attention_mask=attention_mask, max_new_tokens=12,
-                                 do_sample=False)
-            for r, ids in zip(chunk, out[:, P:]):
-                correct += evaluation.extract_boxed(tok.decode(ids, skip_special_tokens=True)) == r["answer"]
-        accuracy[fmt] = correct / len(rows)
+    texts = []
+    torch.manual_seed(seed)
+    for start in range(0, len(prompts), batch_size):
+        chunk = prompts[start:start + batch_size]
+        P = max(map(len, chunk))
+        input_ids = torch.tensor([[tok.pad_token_id] * (P - len(p)) + p for p in chunk])
+        attention_mask = torch.tensor([[0] * (P - len(p)) + [1] * len(p) for p in chunk])
+        out = model.generate(input_ids=input_ids, attention_mask=attention_mask, max_new_tokens=max_new_tokens,
+                             do_sample=sample, temperature=1.0 if sample else None, top_p=1.0 if sample else None,
+                             top_k=0 if sample else None)
+        texts += [tok.decode(ids, skip_special_tokens=True) for ids in out[:, P:]]
     model.train()
-    return accuracy
+    return texts
+
+
+def acceptance_figures(model, tok, dev):
+    """Dev accuracies of the starting model: the student (its training prompt, greedy and sampled), the transfer
+    prompt (greedy), the teacher with the reference and with an empty one (greedy, and the reference sampled);
+    how many of the student's greedy errors sit on problems the misconception can hit; how often the teacher
+    answers without a scratchpad."""
+    prompts = {"student": [student_prompt(tok, r["problem"]) for r in dev],
+               "transfer": [transfer_prompt(tok, r["problem"]) for r in dev],
+               "teacher": [teacher_prompt(tok, r["problem"], f"{r['problem']}={r['answer']}") for r in dev],
+               "teacher_empty": [teacher_prompt(tok, r["problem"], "") for r in dev]}
+    correct = lambda texts: [evaluation.extract_boxed(t) == r["answer"] for t, r in zip(texts, dev)]  # noqa: E731
+    figures, greedy_texts = {}, {}
+    for fmt, p in prompts.items():
+        greedy_texts[fmt] = generate(model, tok, p)
+        figures[f"{fmt}_greedy"] = sum(correct(greedy_texts[fmt])) / len(dev)
+    for fmt in ("student", "teacher"):
+        figures[f"{fmt}_sampled"] = sum(correct(generate(model, tok, prompts[fmt], sample=True))) / len(dev)
+    wrong = [not c for c in correct(greedy_texts["student"])]
+    figures["student_greedy_errors"] = sum(wrong)
+    figures["student_greedy_errors_where_misconception_applies"] = sum(
+        w and misconception_applies(*operands(r["problem"])) for w, r in zip(wrong, dev))
+    figures["teacher_no_scratchpad"] = sum(not has_scratchpad(t) for t in greedy_texts["teacher"]) / len(dev)
+    figures["example_student_greedy"] = greedy_texts["student"][:3]
+    return {k: round(v, 4) if isinstance(v, float) else v for k, v in figures.items()}
 
 
 # -----------------------------------------------------------------------------
-# The arms: opsd.py through its command line; SFT here, with opsd.py's LoRA, prompts, data order and schedule
+# The arms. opsd.py's through its command line; sft-reference, sft-trace and grpo here, from opsd.py's parts.
+
+TAU_GRID = (0.005, 0.05, 0.5)  # the tau sweep's decade grid, fixed in advance
+# arm: (kind, settings). opsd: (--clip, --tau, --context-column); sft: the target column; grpo: none
+ARMS = {
+    "token": ("opsd", ("token", 0.05, "solution")),
+    "none": ("opsd", ("none", 0.05, "solution")),  # tau only sets the diagnostic's threshold here
+    "entry": ("opsd", ("entry", 0.05, "solution")),
+    **{f"{clip}@{tau:g}": ("opsd", (clip, tau, "solution")) for clip in ("token", "entry") for tau in TAU_GRID
+       if tau != 0.05},
+    "sft-reference": ("sft", "reference_answer"),
+    "sft-trace": ("sft", "trace"),
+    "grpo": ("grpo", None),
+    "wrong": ("opsd", ("none", 0.05, "wrong_solution")),
+    "control": ("opsd", ("none", 0.05, "no_solution")),
+}
+OPSD_ARMS = [a for a, (kind, _) in ARMS.items() if kind == "opsd" and a not in ("wrong", "control")]
+# the lr family of each arm (tests/miniature.md, "Learning rates")
+FAMILY = {arm: arm.split("@")[0] if arm not in ("wrong", "control") else "none" for arm in ARMS}
+LR_GRID = (2e-3, 5e-3, 1.25e-2)
+# each family's lr as chosen on dev (selection.json in tests/data/miniature/selection); a family not yet chosen
+# trains at PROVISIONAL_LR and results.json says so
+CHOSEN_LR = {}
+PROVISIONAL_LR = 5e-3
+HEADLINE_ARMS = ("token", "none", "sft-reference", "sft-trace", "grpo")  # the default command's, seeds 1 and 2
+DEFAULT_SEEDS = "1,2"
+FIVE_SEED_ARMS = ("token", "none", "sft-reference", "sft-trace", "grpo")
+QUICK_ARM, QUICK_STEPS = "none", 40
+
+STEPS, WARMUP = 150, 10
+LORA_R, LORA_ALPHA, COMPLETIONS_PER_STEP, MAX_GRAD_NORM, MAX_NEW_TOKENS = 16, 32, 64, 0.1, 48
+GRPO_PROMPTS, GRPO_GROUP = 8, 8  # 8 prompts x 8 samples = COMPLETIONS_PER_STEP
+OPSD_FLAGS = ["--device", "cpu", "--dtype", "float32", "--lora-r", str(LORA_R), "--lora-alpha", str(LORA_ALPHA),
+              "--prompts-per-step", str(COMPLETIONS_PER_STEP), "--micro-batch-size", str(COMPLETIONS_PER_STEP),
+              "--max-new-tokens", str(MAX_NEW_TOKENS), "--max-prompt-length", "256", "--no-gradient-checkpointing",
+              "--max-grad-norm", str(MAX_GRAD_NORM), "--log-rollouts-every", "25",
+              "--kl-window", "512"]
+TIMING_FIELDS = ("time_sample", "time_train", "time_push", "tokens_per_second")
+EVAL_N = 2
+
+
+def warmup_for(steps):
+    """WARMUP steps of linear warmup, fewer in a run too short for them (the tests' few-step runs)."""
+    return min(WARMUP, steps // 4)
+
+
+def lr_of(arm):
+    return CHOSEN_LR.get(FAMILY[arm], PROVISIONAL_LR)
+
+
+def opsd_has_student_prompt():
+    """Whether this opsd.py has --student-prompt (the student in eval.py's prompt), which the opsd.py arms need."""
+    import inspect
+
+    return "--student-prompt" in inspect.getsource(opsd.parse_args)
+
+
+def opsd_command(model_dir, train_file, arm, seed, steps, lr, out_dir, save_every=0):
+    """opsd.py's command line for one arm and seed."""
+    clip, tau, context = ARMS[arm][1]
+    return [sys.executable, str(ROOT / "opsd.py"), "--model", str(model_dir), "--dataset", str(train_file),
+            "--clip", clip, "--tau", str(tau), "--context-column", context, "--max-steps", str(steps),
+            "--lr", str(lr), "--seed", str(seed), "--save-every", str(save_every), "--output-dir", str(out_dir),
+            "--warmup-steps", str(warmup_for(steps)), *OPSD_FLAGS, *STUDENT_FLAGS]
 
 
 def run_logged(cmd, log_path, env=None):
@@ -379,259 +474,394 @@ def run_logged(cmd, log_path, env=None):
     return time.perf_counter() - t0
 
 
-def opsd_command(model_dir, train_file, arm, seed, steps, lr, out_dir, save_every=0):
-    """opsd.py's command line for one arm and seed."""
-    clip, tau, context = ARMS[arm]
-    return [sys.executable, str(ROOT / "opsd.py"), "--model", str(model_dir), "--dataset", str(train_file),
-            "--clip", clip, "--tau", str(tau), "--context-column", context, "--max-steps", str(steps),
-            "--lr", str(lr), "--seed", str(seed), "--save-every", str(save_every), "--output-dir", str(out_dir),
-            *OPSD_FLAGS]
+def sft_target(row, column):
+    if column == "reference_answer":  # the terse reference, then the boxed answer: what OPSD's teacher is shown
+        return f"{row['solution']} \\boxed{{{row['answer']}}}"
+    return row[column]
 
 
-def train_sft(model_dir, train, seed, steps, lr, out_dir, save_every=0):
-    """Supervised fine-tuning on the reference answer ("\\boxed{82}" and EOS) after the student's prompt:
-    opsd.py's LoRA (rank, alpha, A seeded by `seed`), prompts, data order (step_indices), AdamW, gradient clip
-    and LR schedule, the loss a token mean over the step's answer tokens. No sampling. Writes checkpoint-<step>/
-    every `save_every` steps, final/ and metrics.jsonl, as opsd.py does."""
+def load_student(model_dir, seed):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    torch.manual_seed(seed)  # nothing here draws from it; fixed anyway
     tok = AutoTokenizer.from_pretrained(model_dir)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     opsd.disable_dropout(model)
     lora_params = opsd.add_lora(model, LORA_R, LORA_ALPHA, seed=seed)
     model.train()
-    prompts = opsd.build_prompts(tok, [(r["problem"], r["solution"]) for r in train], student_thinking=False,
-                                 teacher_thinking=True, max_prompt_length=256)
-    targets = [answer_ids(tok, r["answer"]) for r in train]
+    return tok, model, lora_params
+
+
+def train_sft(model_dir, train, column, seed, steps, lr, out_dir, save_every=0):
+    """Supervised fine-tuning on sft_target(row, column) and EOS after the student's prompt: opsd.py's LoRA (rank,
+    alpha, A seeded by `seed`), data order (step_indices, 64 prompts a step), AdamW, gradient clip and LR schedule
+    (warmup, cosine), the loss a token mean over the step's target tokens. Writes checkpoint-<step>/ every
+    `save_every` steps, final/ and metrics.jsonl (with the seconds of each step), as opsd.py does."""
+    torch.manual_seed(seed)  # nothing here draws from it; fixed anyway
+    tok, model, lora_params = load_student(model_dir, seed)
+    prompts = [student_prompt(tok, r["problem"]) for r in train]
+    targets = [answer_ids(tok, sft_target(r, column)) for r in train]
     optimizer = torch.optim.AdamW(lora_params, lr=lr, betas=(0.9, 0.999), weight_decay=0.0)  # opsd.py's
     out_dir.mkdir(parents=True, exist_ok=True)
     with open(out_dir / "metrics.jsonl", "w") as log:
         for step in range(steps):
-            indices = opsd.step_indices(step, PROMPTS_PER_STEP, len(prompts), seed)
-            inputs, mask = opsd.build_batch([prompts[i][0] for i in indices], [targets[i] for i in indices],
+            t0 = time.perf_counter()
+            indices = opsd.step_indices(step, COMPLETIONS_PER_STEP, len(prompts), seed)
+            inputs, mask = opsd.build_batch([prompts[i] for i in indices], [targets[i] for i in indices],
                                             tok.pad_token_id, "cpu")
             logits = model(**inputs, use_cache=False).logits[:, :-1]  # (B, T - 1, V): position t predicts t + 1
             loss = torch.nn.functional.cross_entropy(logits[mask[:, 1:]].float(),
                                                      inputs["input_ids"][:, 1:][mask[:, 1:]])
             loss.backward()
             grad_norm = torch.nn.utils.clip_grad_norm_(lora_params, MAX_GRAD_NORM).item()
-            lr_now = opsd.lr_at(step, lr=lr, max_steps=steps)
+            lr_now = opsd.lr_at(step, lr=lr, max_steps=steps, warmup_steps=warmup_for(steps))
             for group in optimizer.param_groups:
                 group["lr"] = lr_now
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
-            log.write(json.dumps({"step": step + 1, "loss": loss.item(), "lr": lr_now, "grad_norm": grad_norm}) + "\n")
+            log.write(json.dumps({"step": step + 1, "loss": loss.item(), "lr": lr_now, "grad_norm": grad_norm,
+                                  "time_train": time.perf_counter() - t0}) + "\n")
             if save_every and (step + 1) % save_every == 0 and step + 1 < steps:
                 opsd.save_adapter(model, out_dir / f"checkpoint-{step + 1}", model_dir)
     opsd.save_adapter(model, out_dir / "final", model_dir)
 
 
-def train_arm(model_dir, train_file, train, arm, seed, args, out_dir, save_every=0):
-    """Train one arm and seed; returns the final adapter and the seconds it took (None: finished before, with
-    --resume). A resumed opsd.py run continues from its last checkpoint; an unfinished SFT run starts over."""
-    if args.resume and (out_dir / "final").is_dir():
+def group_advantages(rewards, group):
+    """GRPO's advantages: (r - mean of its group) / (std of its group + 1e-4), groups of `group` in order."""
+    r = torch.tensor(rewards, dtype=torch.float64).view(-1, group)
+    return ((r - r.mean(-1, keepdim=True)) / (r.std(-1, unbiased=False, keepdim=True) + 1e-4)).flatten()
+
+
+def grpo_loss(model, prompts, completions, advantages, pad_id, temperature):
+    """-sum over all completion tokens of advantage x log p(token) at the sampling temperature / their number."""
+    inputs, mask = opsd.build_batch(prompts, completions, pad_id, "cpu")
+    logits = model(**inputs, use_cache=False).logits[:, :-1][mask[:, 1:]].float() / temperature  # (N, V)
+    targets = inputs["input_ids"][:, 1:][mask[:, 1:]]  # (N,) row after row, in order
+    logp = torch.log_softmax(logits, -1).gather(-1, targets[:, None])[:, 0]  # (N,)
+    per_token = torch.repeat_interleave(advantages.float(), torch.tensor([len(c) for c in completions]))
+    return -(per_token * logp).sum() / max(len(targets), 1)
+
+
+def grpo_args(model_dir, train_file, seed, steps, lr):
+    """opsd.py's parsed settings for the engine and the sampler (its defaults: temperature 1.1, top-p 0.95,
+    top-k 20), with the miniature's flags."""
+    return opsd.parse_args(["--model", str(model_dir), "--dataset", str(train_file), "--seed", str(seed),
+                            "--max-steps", str(steps), "--lr", str(lr), "--warmup-steps", str(warmup_for(steps)),
+                            *OPSD_FLAGS])
+
+
+def train_grpo(model_dir, train_file, seed, steps, lr, out_dir, save_every=0):
+    """GRPO from opsd.py's parts: its LoRA (seeded init), vLLM engine, seeded sampling, checked weight push and LR
+    schedule. Each step: GRPO_PROMPTS prompts of opsd.py's data order (step_indices), GRPO_GROUP samples each
+    (one seed per request, as opsd.py draws them), reward 1 when the last boxed answer equals the reference's,
+    one on-policy update of grpo_loss. Writes metrics.jsonl (reward, sampled tokens, seconds), checkpoints every
+    `save_every` steps and final/."""
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    args = grpo_args(model_dir, train_file, seed, steps, lr)
+    rows = [json.loads(line) for line in Path(train_file).read_text().splitlines()]
+    tok, model, lora_params = load_student(model_dir, seed)
+    prompts = [student_prompt(tok, r["problem"]) for r in rows]
+    optimizer = torch.optim.AdamW(lora_params, lr=lr, betas=(0.9, 0.999), weight_decay=0.0)
+    llm = opsd.start_engine(args, 0, 1, torch.device("cpu"))
+    out_dir.mkdir(parents=True, exist_ok=True)
+    with open(out_dir / "metrics.jsonl", "w") as log:
+        for step in range(steps):
+            t0 = time.perf_counter()
+            indices = [i for i in opsd.step_indices(step, GRPO_PROMPTS, len(prompts), seed) for _ in range(GRPO_GROUP)]
+            seeds = [(seed * 1_000_003 + step * COMPLETIONS_PER_STEP + j) % 2**31 for j in range(len(indices))]
+            batch = [prompts[i] for i in indices]
+            completions, _ = opsd.sample(llm, batch, seeds, args)
+            rewards = [float(evaluation.extract_boxed(tok.decode(c, skip_special_tokens=True)) == rows[i]["answer"])
+                       for c, i in zip(completions, indices)]
+            t1 = time.perf_counter()
+            loss = grpo_loss(model, batch, completions, group_advantages(rewards, GRPO_GROUP), tok.pad_token_id,
+                             args.temperature)
+            loss.backward()
+            grad_norm = torch.nn.utils.clip_grad_norm_(lora_params, MAX_GRAD_NORM).item()
+            lr_now = opsd.lr_at(step, lr=lr, max_steps=steps, warmup_steps=warmup_for(steps))
+            for group in optimizer.param_groups:
+                group["lr"] = lr_now
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            t2 = time.perf_counter()
+            time_push = opsd.push_weights(llm, model)
+            tokens = sum(map(len, completions))
+            log.write(json.dumps({"step": step + 1, "loss": loss.item(), "reward_mean": sum(rewards) / len(rewards),
+                                  "lr": lr_now, "grad_norm": grad_norm, "completion_len_mean": tokens / len(batch),
+                                  "sampled_tokens": tokens, "time_sample": t1 - t0, "time_train": t2 - t1,
+                                  "time_push": time_push}) + "\n")
+            log.flush()
+            if save_every and (step + 1) % save_every == 0 and step + 1 < steps:
+                opsd.save_adapter(model, out_dir / f"checkpoint-{step + 1}", model_dir)
+    opsd.save_adapter(model, out_dir / "final", model_dir)
+    opsd.stop_engine(llm)
+
+
+def train_arm(model_dir, files, train, arm, seed, steps, lr, out_dir, resume, save_every=0):
+    """Train one arm and seed into out_dir; returns (final adapter, seconds or None when kept from before). A
+    resumed opsd.py run continues from its last checkpoint; an unfinished SFT or GRPO run starts over."""
+    if resume and (out_dir / "final").is_dir():
         return out_dir / "final", None
-    if arm == "sft":
+    kind, setting = ARMS[arm]
+    t0 = time.perf_counter()
+    if kind == "sft":
         shutil.rmtree(out_dir, ignore_errors=True)
-        t0 = time.perf_counter()
-        train_sft(model_dir, train, seed, args.steps, args.sft_lr, out_dir, save_every)
-        return out_dir / "final", time.perf_counter() - t0
-    cmd = opsd_command(model_dir, train_file, arm, seed, args.steps, args.lr, out_dir, save_every)
-    resumable = args.resume and opsd.latest_checkpoint(out_dir) is not None
-    return out_dir / "final", run_logged(cmd + ["--resume" if resumable else "--overwrite"],
-                                         log_path(out_dir, "resumed" if resumable else ""))
-
-
-def evaluate(model_dir, data_file, n, out_dir, adapter=None):
-    """eval.py's avg@n on one split, its standard error over problems, and the seconds it took (None when its
-    summary was already there: eval.py then only reads its samples back). An interrupted evaluation continues:
-    eval.py keeps the samples in out_dir and draws the rest."""
-    finished = (out_dir / "summary.json").is_file()
-    cmd = [sys.executable, str(ROOT / "eval.py"), "--model", str(model_dir), "--data", f"split={data_file}",
-           "--n", str(n), "--max-new-tokens", str(EVAL_MAX_NEW_TOKENS), "--dtype", "float32", "--enforce-eager",
-           "--output-dir", str(out_dir)] + (["--adapter", str(adapter)] if adapter else [])
-    seconds = run_logged(cmd, log_path(out_dir, "resumed" if finished else ""))
-    avg = json.loads((out_dir / "summary.json").read_text())["metrics"]["split"][f"avg@{n}"]
-    per_problem = {}
-    for line in (out_dir / "samples.jsonl").read_text().splitlines():
-        s = json.loads(line)
-        per_problem.setdefault(s["problem"], []).append(s["correct"])
-    means = [sum(c) / len(c) for c in per_problem.values()]
-    stderr = (sum((m - avg) ** 2 for m in means) / (len(means) - 1) / len(means)) ** 0.5
-    return avg, stderr, None if finished else seconds
-
-
-@torch.no_grad()
-def answer_probability(model_dir, rows, adapter=None):
-    """The mean over `rows` of the probability that the model, at temperature 1 after eval.py's prompt, writes
-    exactly the reference answer ("\\boxed{82}" and the end of turn): what avg@n estimates, less eval.py's top-p
-    and other spellings of a right answer, from one forward pass instead of a sampling run."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    tok = AutoTokenizer.from_pretrained(model_dir)
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    if adapter:
-        opsd.add_lora(model, LORA_R, LORA_ALPHA)
-        opsd.load_adapter(model, adapter)
-    prompts = [evaluation.prompt_ids(tok, r["problem"], thinking=True) for r in rows]
-    inputs, mask = opsd.build_batch(prompts, [answer_ids(tok, r["answer"]) for r in rows], tok.pad_token_id, "cpu")
-    logp = torch.log_softmax(model(**inputs).logits[:, :-1].float(), -1)  # (B, T - 1, V): t predicts t + 1
-    answer_logp = logp.gather(-1, inputs["input_ids"][:, 1:, None])[..., 0] * mask[:, 1:]  # (B, T - 1)
-    return answer_logp.sum(-1).exp().mean().item()
-
-
-def select_settings(args, out, model_dir, files, train, dev):
-    """--select: train every arm and seed with a checkpoint every --curve-every steps and score each checkpoint on
-    the dev split with answer_probability; write selection.json and print the table (in %)."""
-    steps = sorted(set(range(args.curve_every, args.steps, args.curve_every)) | {args.steps})
-    selection = {"base": answer_probability(model_dir, dev), "steps": steps, "lr": args.lr, "sft_lr": args.sft_lr,
-                 "runs": {}}
-    for arm in args.arms:
-        for seed in args.seeds[arm]:
-            run = run_dir(out, "sft" if arm == "sft" else "opsd", arm, seed)
-            adapter, _ = train_arm(model_dir, files["train"], train, arm, seed, args, run, save_every=args.curve_every)
-            selection["runs"][f"{arm} seed {seed}"] = [
-                answer_probability(model_dir, dev, adapter if step == args.steps else run / f"checkpoint-{step}")
-                for step in steps]
-    (out / "selection.json").write_text(json.dumps(selection, indent=2) + "\n")
-    print(f"dev: probability of the exact answer in % (base {100 * selection['base']:.2f}), "
-          f"lr {args.lr:g} (sft {args.sft_lr:g})\n{'step':<16}" + "".join(f"{s:>8}" for s in steps))
-    for name, points in selection["runs"].items():
-        print(f"{name:<16}" + "".join(f"{100 * v:>8.2f}" for v in points))
-    return selection
+        train_sft(model_dir, train, setting, seed, steps, lr, out_dir, save_every)
+    elif kind == "grpo":  # its own process: its vLLM engine must not share one with the dev scorer's
+        shutil.rmtree(out_dir, ignore_errors=True)
+        out_dir.mkdir(parents=True)
+        job = {"model_dir": str(model_dir), "train_file": str(files["train"]), "seed": seed, "steps": steps,
+               "lr": lr, "out_dir": str(out_dir), "save_every": save_every}
+        run_logged([sys.executable, str(Path(__file__).resolve()), "--grpo-job", json.dumps(job)], log_path(out_dir))
+    else:
+        if not opsd_has_student_prompt():
+            raise SystemExit("this opsd.py has no --student-prompt: the opsd.py arms train the student in eval.py's "
+                             "prompt (opsd.py --student-prompt eval --no-student-thinking).")
+        cmd = opsd_command(model_dir, files["train"], arm, seed, steps, lr, out_dir, save_every)
+        resumable = resume and opsd.latest_checkpoint(out_dir) is not None
+        run_logged(cmd + ["--resume" if resumable else "--overwrite"],
+                   log_path(out_dir, "resumed" if resumable else ""))
+    return out_dir / "final", time.perf_counter() - t0
 
 
 def log_path(run, tag=""):
-    """<run>.log next to the run's directory (<run>.<tag>.log for a resumed piece); not with_suffix: "tau0.5"."""
+    """<run>.log next to the run's directory (<run>.<tag>.log for a resumed piece); not with_suffix: "@0.5"."""
     return run.parent / f"{run.name}{'.' + tag if tag else ''}.log"
 
 
-def run_dir(out, kind, arm, seed):
-    return out / f"{kind}-{arm.replace('@', '-tau')}-s{seed}"
+def run_name(model_tag, arm, seed, lr=None):
+    slug = arm.replace("@", "-tau")
+    return f"{model_tag}-{slug}" + (f"-lr{lr:g}" if lr is not None else "") + f"-s{seed}"
+
+
+def read_metrics(run):
+    return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines() if line.strip()]
 
 
 # -----------------------------------------------------------------------------
-# Report: statistics, table and figures
+# Scoring. The reported scores: eval.py itself. Dev curves and the lr selection: one vLLM engine in this process
+# serving every checkpoint as a LoRA adapter, with eval.py's prompt, sampling settings, per-sample seeds and grading.
+
+
+def evaluate(model_dir, data_file, n, out_dir, adapter=None, thinking=False):
+    """eval.py's avg@n on one split (thinking off: the student's training prompt; on: the transfer prompt), the
+    samples' answers without a scratchpad, and the seconds it took (None when its summary was there already: then
+    eval.py only reads its samples back). An interrupted evaluation continues where it stopped."""
+    finished = (out_dir / "summary.json").is_file()
+    cmd = [sys.executable, str(ROOT / "eval.py"), "--model", str(model_dir), "--data", f"split={data_file}",
+           "--n", str(n), "--max-new-tokens", str(MAX_NEW_TOKENS), "--dtype", "float32", "--enforce-eager",
+           "--output-dir", str(out_dir), "--thinking" if thinking else "--no-thinking"]
+    cmd += ["--adapter", str(adapter)] if adapter else []
+    out_dir.mkdir(parents=True, exist_ok=True)
+    seconds = run_logged(cmd, log_path(out_dir, "resumed" if finished else ""))
+    avg = json.loads((out_dir / "summary.json").read_text())["metrics"]["split"][f"avg@{n}"]
+    samples = [json.loads(line) for line in (out_dir / "samples.jsonl").read_text().splitlines() if line.strip()]
+    no_pad = sum(not has_scratchpad(s["completion"]) for s in samples) / len(samples)
+    return {"avg": avg, "stderr": problem_stderr(samples, avg), "no_scratchpad": no_pad,
+            "tokens_mean": sum(s["tokens"] for s in samples) / len(samples), "seconds": None if finished else seconds}
+
+
+def problem_stderr(samples, avg):
+    per_problem = {}
+    for s in samples:
+        per_problem.setdefault(s["problem"], []).append(s["correct"])
+    means = [sum(c) / len(c) for c in per_problem.values()]
+    return (sum((m - avg) ** 2 for m in means) / max(len(means) - 1, 1) / len(means)) ** 0.5
+
+
+class DevScorer:
+    """avg@n of the base model or an adapter on a split, from one vLLM engine kept for the whole run."""
+
+    def __init__(self, model_dir):
+        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+        os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
+        from transformers import AutoTokenizer
+        from vllm import LLM
+
+        self.tok = AutoTokenizer.from_pretrained(model_dir)
+        self.llm = LLM(model=str(model_dir), dtype="float32", enforce_eager=True, seed=0, max_model_len=512,
+                       enable_lora=True, max_lora_rank=LORA_R, max_loras=1, enable_chunked_prefill=False,
+                       max_num_batched_tokens=8192, max_num_seqs=256)
+        self.adapters = 0
+
+    def score(self, rows, adapter=None, n=EVAL_N, thinking=False, seed=42):
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+        from vllm.lora.request import LoRARequest
+
+        lora = None
+        if adapter is not None:
+            self.adapters += 1  # a fresh id per adapter: vLLM caches adapters by id
+            lora = LoRARequest(f"adapter-{self.adapters}", self.adapters, str(Path(adapter).resolve()))
+        keys = [(i, j) for i in range(len(rows)) for j in range(n)]
+        prompts = [TokensPrompt(prompt_token_ids=evaluation.prompt_ids(self.tok, rows[i]["problem"], thinking))
+                   for i, _ in keys]
+        params = [SamplingParams(temperature=1.0, top_p=0.95, max_tokens=MAX_NEW_TOKENS,
+                                 seed=evaluation.sample_seed(seed, "split", i, j)) for i, j in keys]
+        outputs = self.llm.generate(prompts, params, lora_request=lora, use_tqdm=False)
+        texts = [o.outputs[0].text for o in outputs]
+        correct = [evaluation.is_correct(t, rows[i]["answer"]) for t, (i, _) in zip(texts, keys)]
+        return {"avg": sum(correct) / len(keys), "no_scratchpad": sum(not has_scratchpad(t) for t in texts) / len(keys),
+                "tokens_mean": sum(len(o.outputs[0].token_ids) for o in outputs) / len(keys)}
+
+
+def curve(scorer, dev, run, steps, every, base_score):
+    """[[step, sampled tokens so far, seconds so far, dev avg, no-scratchpad share]] from step 0 (the base model)
+    to `steps`, one point every `every` steps, from a run's checkpoints and metrics.jsonl."""
+    records = {r["step"]: r for r in read_metrics(run)}
+    points = [[0, 0, 0.0, base_score["avg"], base_score["no_scratchpad"]]]
+    tokens = seconds = 0.0
+    for step in range(1, steps + 1):
+        r = records[step]
+        tokens += r.get("sampled_tokens", r.get("completion_len_mean", 0) * COMPLETIONS_PER_STEP)
+        seconds += sum(r.get(k, 0.0) for k in ("time_sample", "time_train", "time_push"))
+        if step % every == 0 or step == steps:
+            adapter = run / ("final" if step == steps else f"checkpoint-{step}")
+            s = scorer.score(dev, adapter)
+            points.append([step, round(tokens), round(seconds, 1), s["avg"], s["no_scratchpad"]])
+    return points
+
+
+# -----------------------------------------------------------------------------
+# Statistics
 
 T_975 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262}  # Student t
 
 
-def summarize(values, base, base_stderr):
-    """Mean over seeds, the half-width of its 95% interval (Student t over seeds; None with one seed), and the
-    difference to the base model with the half-width of its interval (the seeds' and the base score's errors)."""
+def mean_interval(values):
+    """(mean, half-width of the 95% t-interval over the values; None with one value)."""
     k, mean = len(values), sum(values) / len(values)
     if k < 2:
-        return {"mean": mean, "ci95": None, "vs_base": mean - base, "vs_base_ci95": None}
+        return mean, None
     sem = (sum((v - mean) ** 2 for v in values) / (k - 1) / k) ** 0.5
-    half = T_975.get(k - 1, 1.96) * sem
+    return mean, T_975.get(k - 1, 1.96) * sem
+
+
+def summarize(values, base, base_stderr):
+    """Mean over seeds, the half-width of its 95% interval, and the difference to the base model with the
+    half-width of its interval (the seeds' and the base score's errors combined)."""
+    mean, half = mean_interval(values)
     return {"mean": mean, "ci95": half, "vs_base": mean - base,
-            "vs_base_ci95": (half ** 2 + (1.96 * base_stderr) ** 2) ** 0.5}
+            "vs_base_ci95": None if half is None else (half ** 2 + (1.96 * base_stderr) ** 2) ** 0.5}
 
 
-def format_table(results):
-    split = results["split"]
-    scores, base = results[f"{split}_avg"], results[f"{split}_avg"]["base"]
-    w = max(10, *(len(arm) + 1 for arm in results["arms"]))  # the first column fits the longest arm name
-    lines = [f"{split} avg@{results['n']} in % ({results['problems']} problems x {results['n']} samples per model; "
-             f"base standard error {100 * results['base_stderr']:.1f}); 95% intervals over seeds",
+def paired(a_scores, b_scores, a_seeds, b_seeds):
+    """The paired difference a - b over the seeds both ran: per seed, mean, 95% t-interval."""
+    common = [s for s in a_seeds if s in b_seeds]
+    diffs = [a_scores[a_seeds.index(s)] - b_scores[b_seeds.index(s)] for s in common]
+    if not diffs:
+        return None
+    mean, half = mean_interval(diffs)
+    return {"seeds": common, "differences": diffs, "mean": mean, "ci95": half}
+
+
+def token_efficiency(curves, a, b):
+    """Sampled tokens (and seconds) arms a and b each need to first reach the lower of their final dev accuracies,
+    by linear interpolation between checkpoints; and the ratio b / a."""
+    if a not in curves or b not in curves:
+        return None
+    target = min(curves[a][-1][3], curves[b][-1][3])
+
+    def reach(points):
+        for (s0, t0, w0, acc0, _), (s1, t1, w1, acc1, _) in zip(points, points[1:]):
+            if acc1 >= target > acc0 or (acc0 >= target and s0 == 0):
+                f = 1.0 if acc1 == acc0 else (target - acc0) / (acc1 - acc0)
+                return t0 + f * (t1 - t0), w0 + f * (w1 - w0)
+        return None, None
+
+    (ta, wa), (tb, wb) = reach(curves[a]), reach(curves[b])
+    return {"arms": [a, b], "target_dev_avg": target, "tokens": [ta, tb], "seconds": [wa, wb],
+            "token_ratio": tb / ta if ta and tb else None, "seconds_ratio": wb / wa if wa and wb else None}
+
+
+def format_table(results, key="heldout_avg", title="held-out, in the training format"):
+    scores, stats = results[key], results["stats"][key]
+    w = max(14, *(len(arm) + 1 for arm in results["arms"]))
+    lines = [f"{title}: eval.py avg@{results['n']} in % ({results['problems']} problems); 95% intervals over seeds",
              f"{'arm':<{w}}{'seeds':>6}{'mean':>7}{'95% interval':>15}{'vs base':>17}   per seed",
-             f"{'base':<{w}}{'':>6}{100 * base:>7.1f}"]
+             f"{'base':<{w}}{'':>6}{100 * scores['base']:>7.1f}"]
     for arm in results["arms"]:
-        s = results["stats"][arm]
-        interval = f"{100 * (s['mean'] - s['ci95']):.1f}..{100 * (s['mean'] + s['ci95']):.1f}" if s["ci95"] else "-"
-        diff = f"{100 * s['vs_base']:+.1f}" + (f" +- {100 * s['vs_base_ci95']:.1f}" if s["vs_base_ci95"] else "")
+        s = stats[arm]
+        interval = "-" if s["ci95"] is None else \
+            f"{100 * (s['mean'] - s['ci95']):.1f}..{100 * (s['mean'] + s['ci95']):.1f}"
+        diff = f"{100 * s['vs_base']:+.1f}"
+        diff += "" if s["vs_base_ci95"] is None else f" +- {100 * s['vs_base_ci95']:.1f}"
         per_seed = "  ".join(f"{100 * v:.1f}" for v in scores[arm])
         lines.append(f"{arm:<{w}}{len(scores[arm]):>6}{100 * s['mean']:>7.1f}{interval:>15}{diff:>17}   {per_seed}")
     return "\n".join(lines)
 
 
-COLORS = {"token": "tab:blue", "none": "tab:green", "sft": "tab:red", "none-wrong": "peru", "none-control": "silver",
-          "entry": "tab:orange", "control": "tab:gray", "wrong": "tab:brown", "token@0.5": "tab:cyan",
-          "token@2": "navy", "entry@0.5": "gold", "entry@2": "tab:olive"}
+# -----------------------------------------------------------------------------
+# Figures
+
+COLORS = {"token": "tab:blue", "none": "tab:green", "entry": "tab:orange", "token@0.005": "tab:cyan",
+          "token@0.5": "navy", "entry@0.005": "gold", "entry@0.5": "tab:olive", "sft-reference": "tab:red",
+          "sft-trace": "tab:purple", "grpo": "black", "wrong": "tab:brown", "control": "tab:gray"}
 
 
-def figure_titles(results):
-    """(the accuracy panel's title, the figure's title or None): a one-seed run shows no means, a quick run says so."""
-    arms, scores = results["arms"], results[f"{results['split']}_avg"]
-    if any(len(scores[arm]) > 1 for arm in arms):
-        left = "accuracy per arm (bars: mean over seeds, dots: seeds)"
-    else:
-        seeds = sorted({results["seeds"][arm][0] for arm in arms})
-        left = f"accuracy per arm: one run each (seed {', '.join(map(str, seeds))})"
-    if not results["quick"]:
-        return left, None
-    return left, f"quick variant (--quick): one seed, avg@{results['n']}; not the full experiment"
-
-
-def plot(results, out_dir, path):
+def plot(results, path):
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    arms, split = results["arms"], results["split"]
-    scores = results[f"{split}_avg"]
-    left_title, suptitle = figure_titles(results)
-    fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.5))
-    left.axhline(100 * scores["base"], color="black", linestyle="--", label="base model")
+    arms, primary, transfer = results["arms"], results["heldout_avg"], results["transfer_avg"]
+    fig, axes = plt.subplots(1, 4, figsize=(22, 4.8))
+    left = axes[0]
+    left.axhline(100 * primary["base"], color="black", linestyle="--", label="base, training format")
+    left.axhline(100 * transfer["base"], color="gray", linestyle=":", label="base, transfer")
     for x, arm in enumerate(arms):
-        values = [100 * v for v in scores[arm]]
+        values = [100 * v for v in primary[arm]]
         left.bar(x, sum(values) / len(values), color=COLORS[arm], alpha=0.5)
-        if len(values) > 1:
-            left.scatter([x] * len(values), values, color=COLORS[arm], zorder=3, s=12)
+        left.scatter([x] * len(values), values, color=COLORS[arm], zorder=3, s=12)
+        moved = [100 * v for v in transfer[arm]]
+        left.scatter([x + 0.25] * len(moved), moved, color=COLORS[arm], marker="x", zorder=3, s=14)
     left.set_xticks(range(len(arms)), arms, rotation=40, ha="right", rotation_mode="anchor")
-    left.set_ylabel(f"{split} avg@{results['n']} (%)")
-    left.set_title(left_title)
-    left.margins(y=0.2)  # room above the highest seed for the legend
-    left.legend(loc="upper right")
-    for arm in arms:
-        if ARMS[arm] is None:
-            continue  # sft has no teacher, so no KL
-        for k, seed in enumerate(results["seeds"][arm]):
-            records = [json.loads(line) for line in
-                       (run_dir(out_dir, "opsd", arm, seed) / "metrics.jsonl").read_text().splitlines()]
-            right.plot([r["step"] for r in records], [r["kl_mean"] for r in records], color=COLORS[arm],
-                       alpha=0.7, label=arm if k == 0 else None)
-    right.set_xlabel("optimizer step")
-    right.set_ylabel("kl_mean: KL(T||S), last ~512 answer tokens")
-    right.set_yscale("log")
-    right.set_title("teacher-student KL during training (opsd.py arms)")
-    if right.lines:
-        right.legend(fontsize=8)
-    if suptitle:
-        fig.suptitle(suptitle)
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-
-
-def plot_curves(results, path):
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    curves = results["dev_curves"]
-    fig, ax = plt.subplots(figsize=(6.5, 4.5))
-    for arm, points in curves["arms"].items():
-        steps = [0] + [p[0] for p in points]
-        ax.plot(steps, [100 * curves["base"]] + [100 * p[1] for p in points], marker="o", color=COLORS[arm],
-                label=f"{arm} (seed {curves['seed'][arm]})")
-    ax.set_xlabel("optimizer step")
-    ax.set_ylabel(f"dev avg@{curves['n']} (%)")
-    ax.set_title("dev accuracy along training (one seed; step 0: base model)")
-    ax.legend()
+    left.set_ylabel(f"held-out avg@{results['n']} (%)")
+    seeds = "one seed" if all(len(primary[a]) == 1 for a in arms) else "bars: mean of the seeds"
+    left.set_title(f"held-out ({seeds}; x: transfer)", fontsize=10)
+    left.set_ylim(0, 105)
+    left.legend(loc="lower right", fontsize=8)
+    for ax, column, label in ((axes[1], 1, "sampled completion tokens"),
+                              (axes[2], 2, "seconds (sample + train + push)")):
+        for arm, points in results.get("dev_curves", {}).items():
+            ax.plot([p[column] for p in points], [100 * p[3] for p in points], marker="o", ms=3,
+                    color=COLORS.get(arm.split(" ")[0], "k"), label=arm)
+        ax.set_xlabel(label)
+        ax.set_ylabel(f"dev avg@{EVAL_N}, training format (%)")
+        ax.set_title("token efficiency (seed 1)" if column == 1 else "wall-clock (2 CPU cores)")
+        if ax.lines:
+            ax.legend(fontsize=8)
+    profile, ax = results.get("step1_kl"), axes[3]
+    if profile:  # the step-1 KL profile of the shipped model (step1_kl.json)
+        edges = profile["histogram_edges"]
+        labels = [f"<{edges[1]:g}"] + [f"{lo:g}-{hi:g}" for lo, hi in zip(edges[1:-2], edges[2:-1])] + \
+            [f">{edges[-2]:g}"]
+        ax.bar(range(len(profile["histogram_counts"])), profile["histogram_counts"], color="tab:blue")
+        ax.set_xticks(range(len(labels)), labels, rotation=40, ha="right", rotation_mode="anchor", fontsize=8)
+        ax.set_xlabel("per-position KL(T||S) at step 1 (loss temperature 1.1)")
+        ax.set_ylabel("answer positions")
+        ax.set_title(f"step 1: kl_mean {profile['kl_mean']:.3f}, {100 * profile['frac_above_tau']:.1f}% above "
+                     f"{profile['tau']:g}\n(Qwen3-1.7B recipe: 0.10-0.19, 35-50%)", fontsize=9)
+    else:
+        ax.set_axis_off()
+    if results.get("quick"):
+        fig.suptitle("quick variant (--quick): one seed, a short run; not the experiment")
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
 
 
 # -----------------------------------------------------------------------------
-# The port-check fixture: step-1 rollouts of the shipped model and their loss, as opsd.py computes them
-
+# The port-check fixture and the step-1 KL profile: step-1 rollouts of the shipped model, as opsd.py computes them
 
 REFERENCE_SEED, REFERENCE_TEMPERATURE, REFERENCE_TAU, REFERENCE_BETA = 1, 1.1, 0.05, 0.0
+STAT_COLUMNS = ("kl", "clipped_mass", "logprob")
+
+
+def stat(stats, name):
+    """One per-position diagnostic of opsd_loss, (N,): an attribute of its stats, or a column of an (N, 3) tensor."""
+    return getattr(stats, name) if hasattr(stats, name) else stats[:, STAT_COLUMNS.index(name)]
 
 
 def model_digest(model_dir):
@@ -639,11 +869,12 @@ def model_digest(model_dir):
 
 
 @torch.no_grad()
-def step_figures(model_dir, rows, *, temperature, tau, beta):
+def step_figures(model_dir, rows, *, temperature, tau, beta, per_position=False):
     """{clip: {loss, kl_mean, kl_clipped_teacher_mass}} of one optimizer step over `rows` from the unchanged
-    model (LoRA B = 0, so student and teacher are both the base model), through opsd.py's functions: loss is
-    the sum of the clipped per-position divergence over all completion positions divided by their number;
-    kl_mean and kl_clipped_teacher_mass are the means over the same positions of divergence_stats."""
+    model (LoRA B = 0, so student and teacher are both the base model), through opsd.py's functions: loss is the
+    sum of the clipped per-position divergence over all completion positions divided by their number; kl_mean and
+    kl_clipped_teacher_mass are the means over the same positions of opsd.py's diagnostics. per_position: also the
+    (N,) per-position KL."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(model_dir)
@@ -659,14 +890,44 @@ def step_figures(model_dir, rows, *, temperature, tau, beta):
         loss, stats = opsd.opsd_loss(hs[:, :-1], s_mask[:, 1:], ht[:, :-1], t_mask[:, 1:],
                                      model.get_output_embeddings().weight, positions, targets, beta=beta,
                                      temperature=temperature, clip=clip, tau=tau)
-        figures[clip] = {"loss": loss.item(), "kl_mean": stats[:, 0].mean().item(),
-                         "kl_clipped_teacher_mass": stats[:, 1].mean().item()}
-    return figures
+        figures[clip] = {"loss": loss.item(), "kl_mean": stat(stats, "kl").mean().item(),
+                         "kl_clipped_teacher_mass": stat(stats, "clipped_mass").mean().item()}
+    return (figures, stat(stats, "kl")) if per_position else figures
+
+
+def kl_profile(kl, lengths, tau):
+    """The step-1 KL profile: mean, the share above tau, the first answer position's mean, a histogram (log bins)."""
+    first = torch.tensor([0] + list(lengths[:-1])).cumsum(0)
+    edges = [-float("inf"), 1e-4, 1e-3, 1e-2, 0.05, 0.1, 0.5, 1.0, 2.0, float("inf")]  # float32 KL can be -1e-8
+    counts = [int(((kl >= lo) & (kl < hi)).sum()) for lo, hi in zip(edges, edges[1:])]
+    return {"positions": len(kl), "kl_mean": kl.mean().item(), "frac_above_tau": (kl > tau).float().mean().item(),
+            "tau": tau, "first_position_kl_mean": kl[first].mean().item(),
+            "rest_kl_mean": kl[torch.ones(len(kl), dtype=torch.bool).index_fill_(0, first, False)].mean().item(),
+            "histogram_edges": ["-inf"] + edges[1:-1] + ["inf"], "histogram_counts": counts,
+            "released_recipe_qwen3_1.7b": {"kl_mean": [0.10, 0.19], "frac_above_0.05": [0.35, 0.50]}}
+
+
+def write_step1_profile(reference=DATA / "reference_step.json", model_dir=SHIPPED_MODEL):
+    """step1_kl.json from the fixture's rows (the step-1 rollouts), without sampling them again."""
+    from transformers import AutoTokenizer
+
+    ref = json.loads(Path(reference).read_text())
+    rows = ref["rows"]
+    _, kl = step_figures(model_dir, rows, **ref["settings"], per_position=True)
+    profile = kl_profile(kl, [len(r["completion_ids"]) for r in rows], ref["settings"]["tau"])
+    tok, train = AutoTokenizer.from_pretrained(model_dir), make_task()[0]
+    answers = {tuple(student_prompt(tok, r["problem"])): r["answer"] for r in train}
+    right = [evaluation.extract_boxed(tok.decode(r["completion_ids"], skip_special_tokens=True))
+             == answers[tuple(r["student_prompt_ids"])] for r in rows]
+    profile["rollouts_correct"] = sum(right) / len(rows)
+    (Path(reference).parent / "step1_kl.json").write_text(json.dumps(profile, indent=1) + "\n")
+    return profile
 
 
 def write_reference_step(path, model_dir=SHIPPED_MODEL, seed=REFERENCE_SEED):
-    """Sample one step's rollouts from the model the way opsd.py's first step does (its data order, engine
-    settings and per-request seeds for --seed `seed`), compute their figures, write the fixture."""
+    """Sample one step's rollouts from the model the way opsd.py's first step does (its data order, engine settings
+    and per-request seeds for --seed `seed`), compute their figures, write the fixture, and the step-1 KL profile
+    (step1_kl.json beside it)."""
     from transformers import AutoTokenizer
 
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
@@ -675,10 +936,9 @@ def write_reference_step(path, model_dir=SHIPPED_MODEL, seed=REFERENCE_SEED):
     tok = AutoTokenizer.from_pretrained(model_dir)
     args = opsd.parse_args(["--model", str(model_dir), "--dataset", "unused", "--seed", str(seed),
                             "--loss-temperature", str(REFERENCE_TEMPERATURE), *OPSD_FLAGS])
-    prompts = opsd.build_prompts(tok, [(r["problem"], r["solution"]) for r in train], student_thinking=False,
-                                 teacher_thinking=True, max_prompt_length=args.max_prompt_length)
-    indices = opsd.step_indices(0, PROMPTS_PER_STEP, len(prompts), seed)
-    sampling_seeds = [(seed * 1_000_003 + j) % 2**31 for j in range(PROMPTS_PER_STEP)]  # opsd.py's, step 0
+    prompts = [(student_prompt(tok, r["problem"]), teacher_prompt(tok, r["problem"], r["solution"])) for r in train]
+    indices = opsd.step_indices(0, COMPLETIONS_PER_STEP, len(prompts), seed)
+    sampling_seeds = [(seed * 1_000_003 + j) % 2**31 for j in range(COMPLETIONS_PER_STEP)]  # opsd.py's, step 0
     llm = opsd.start_engine(args, 0, 1, torch.device("cpu"))
     completions, _ = opsd.sample(llm, [prompts[i][0] for i in indices], sampling_seeds, args)
     opsd.stop_engine(llm)
@@ -687,65 +947,159 @@ def write_reference_step(path, model_dir=SHIPPED_MODEL, seed=REFERENCE_SEED):
     settings = {"temperature": REFERENCE_TEMPERATURE, "tau": REFERENCE_TAU, "beta": REFERENCE_BETA}
     expected = step_figures(model_dir, rows, **settings)
     header = {
-        "about": "Step-1 rollouts of the shipped miniature model (opsd.py --seed 1 with tests/miniature.py's "
-                 "settings) and the figures opsd.py computes for them with LoRA B = 0 (student and teacher both "
-                 "the unchanged model, float32). loss: sum over completion positions of the clipped per-position "
-                 "divergence / number of positions. kl_mean: mean over the positions of KL(p_T || p_S) at the "
-                 "loss temperature. kl_clipped_teacher_mass: mean over the positions of the teacher's probability "
-                 "on entries with p_T(v) (log p_T(v) - log p_S(v)) > tau. A position predicts a completion token "
-                 "from the prompt and the completion tokens before it, at positions 0, 1, 2, ... from the "
-                 "prompt's first token.",
+        "about": "Step-1 rollouts of the shipped miniature model (opsd.py --seed 1 --student-prompt eval "
+                 "--no-student-thinking with tests/miniature.py's settings) and the figures opsd.py computes for "
+                 "them with LoRA B = 0 (student and teacher both the unchanged model, float32). loss: sum over "
+                 "completion positions of the clipped per-position divergence / number of positions. kl_mean: mean "
+                 "over the positions of KL(p_T || p_S) at the loss temperature. kl_clipped_teacher_mass: mean over "
+                 "the positions of the teacher's probability on entries with p_T(v) (log p_T(v) - log p_S(v)) > tau. "
+                 "A position predicts a completion token from the prompt and the completion tokens before it, at "
+                 "positions 0, 1, 2, ... from the prompt's first token.",
         "model": str(Path(model_dir).relative_to(ROOT)) if Path(model_dir).is_relative_to(ROOT) else str(model_dir),
         "model_sha256_16": model_digest(model_dir), "positions": sum(map(len, completions)),
         "settings": settings, "expected": expected}
     # one row per line: the file stays readable and diffs stay small
     text = json.dumps(header, indent=1)[:-2] + ',\n "rows": [\n' + ",\n".join(json.dumps(r) for r in rows) + "\n ]\n}\n"
     Path(path).write_text(text)
-    print(json.dumps(expected, indent=1))
+    profile = write_step1_profile(path, model_dir)
+    print(json.dumps(expected, indent=1), json.dumps(profile, indent=1))
     print(f"{len(rows)} rows, {header['positions']} positions -> {path}")
 
 
 # -----------------------------------------------------------------------------
-# The run
+# Config
 
 
-# what a resumed run must share with the run it continues (the rest only say where and how to write)
-RESULT_FLAGS = ("arms", "seeds", "split", "curves", "curve_every", "curve_n", "steps", "lr", "sft_lr", "n",
-                "rebuild_model", "pretrain_steps", "pretrain_seed", "quick", "full", "select")
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(prog="miniature.py", description=__doc__.split("\n\n")[0])
+    p.add_argument("--output-dir", help="results.json, the figure and one directory per run")
+    p.add_argument("--arms", default=None, help=f"comma-separated, of {', '.join(ARMS)} (default: "
+                                                f"{','.join(HEADLINE_ARMS)}; --quick: {QUICK_ARM})")
+    p.add_argument("--seeds", default=None,
+                   help="comma-separated training seeds every chosen arm runs (default 1,2; --quick, --select: 1)")
+    p.add_argument("--quick", action="store_true",
+                   help=f"the test suite's check: {QUICK_ARM}, seed 1, {QUICK_STEPS} steps, held-out avg@1")
+    p.add_argument("--full", action="store_true", help="the whole protocol of tests/miniature.md (resumable)")
+    p.add_argument("--select", action="store_true",
+                   help="dev lr selection: each arm at each --lrs, a dev score every --curve-every steps")
+    p.add_argument("--lrs", default=",".join(f"{lr:g}" for lr in LR_GRID), help="with --select: the lr grid")
+    p.add_argument("--steps", type=int, default=None, help=f"optimizer steps of every arm (default {STEPS})")
+    p.add_argument("--curve-every", type=int, default=25, help="steps between dev-scored checkpoints")
+    p.add_argument("--n", type=int, default=None, help=f"eval.py samples per problem (default {EVAL_N}; --quick 1)")
+    p.add_argument("--start-model", type=int, default=PRETRAIN_SEEDS[0], choices=PRETRAIN_SEEDS,
+                   help="the shipped starting model (pre-training seed) every arm runs on, but in --full")
+    p.add_argument("--pretrain", action="store_true",
+                   help="pre-train a starting model from scratch into --output-dir, report its acceptance, stop")
+    p.add_argument("--pretrain-seed", type=int, default=1, help="with --pretrain: init and batches")
+    p.add_argument("--teacher-terse", type=float, default=0.0,
+                   help="with --pretrain: the share of teacher-format examples answered with the boxed answer alone "
+                        "(the reference's style; the style-drift model of issue 25)")
+    p.add_argument("--overwrite", action="store_true", help="clear this script's files in --output-dir first")
+    p.add_argument("--resume", action="store_true",
+                   help="continue the run in --output-dir with the same flags (finished pieces are kept)")
+    p.add_argument("--reference-step", metavar="PATH", default=None,
+                   help="write the port-check fixture (step-1 rollouts of the shipped model and their loss) and stop")
+    p.add_argument("--grpo-job", default=None, help=argparse.SUPPRESS)  # one GRPO training, in its own process
+    args = p.parse_args(argv)
+    if args.reference_step or args.grpo_job:
+        return args
+    if not args.output_dir:
+        p.error("--output-dir is required.")
+    if args.resume and args.overwrite:
+        p.error("--resume continues the run in --output-dir, --overwrite clears it: pass one.")
+    if sum((args.quick, args.full, args.select, args.pretrain)) > 1:
+        p.error("--quick, --full, --select and --pretrain are separate runs: pass one.")
+    if args.full and (args.arms or args.seeds):
+        p.error("--full chooses every arm and its seeds: leave out --arms and --seeds.")
+    if not 0 <= args.teacher_terse < 1:
+        p.error("--teacher-terse must lie in [0, 1).")
+    if args.pretrain:
+        return args
+    seeds = [s.strip() for s in (args.seeds or ("1" if args.quick or args.select else DEFAULT_SEEDS)).split(",")]
+    if not all(s.isdigit() for s in seeds) or len(set(seeds)) != len(seeds):
+        p.error(f"--seeds takes distinct non-negative integers separated by commas, got {args.seeds!r}.")
+    arms = [a.strip() for a in (args.arms or (QUICK_ARM if args.quick else ",".join(HEADLINE_ARMS))).split(",")]
+    if any(a not in ARMS for a in arms) or len(set(arms)) != len(arms):
+        p.error(f"--arms takes distinct arms from {', '.join(ARMS)}, got {args.arms!r}.")
+    try:
+        args.lrs = [float(x) for x in args.lrs.split(",")]
+    except ValueError:
+        p.error(f"--lrs takes numbers separated by commas, got {args.lrs!r}.")
+    args.arms = list(ARMS) if args.full else arms
+    args.seeds = {arm: [int(s) for s in seeds] for arm in args.arms}
+    if args.full:
+        args.seeds = {arm: [1, 2, 3, 4, 5] if arm in FIVE_SEED_ARMS else [1, 2, 3] for arm in args.arms}
+    args.steps = args.steps or (QUICK_STEPS if args.quick else STEPS)
+    args.n = args.n or (1 if args.quick else EVAL_N)
+    if min(args.steps, args.n, args.curve_every) < 1 or min(args.lrs) <= 0:
+        p.error("--steps, --n, --curve-every and --lrs must be positive.")
+    missing = [str(SHIPPED_MODELS[s]) for s in ([*PRETRAIN_SEEDS] if args.full else [args.start_model])
+               if not (SHIPPED_MODELS[s] / "config.json").is_file()]
+    if missing:
+        p.error(f"no shipped model in {', '.join(missing)}: pre-train one with --pretrain.")
+    return args
+
+
+# what a resumed run must share with the run it continues
+RESULT_FLAGS = ("arms", "seeds", "quick", "full", "select", "lrs", "steps", "curve_every", "n", "start_model")
+SELECT_FLAGS = ("select", "steps", "curve_every", "n", "start_model")
 
 
 def check_resume(out, args):
-    """The saved flags of the run in `out` (settings.json), refusing a resume that would mix other settings in."""
     path = out / "settings.json"
     if not path.is_file():
         raise SystemExit(f"--resume: {out} holds no run of this script (no settings.json): drop --resume.")
     saved, now = json.loads(path.read_text()), json.loads(json.dumps({k: vars(args)[k] for k in RESULT_FLAGS}))
-    changed = ["--" + k.replace("_", "-") for k in RESULT_FLAGS if saved.get(k) != now[k]]
+    # a selection grows run by run (each invocation may add arms and lrs); its scoring must stay the same
+    flags = SELECT_FLAGS if args.select else RESULT_FLAGS
+    changed = ["--" + k.replace("_", "-") for k in flags if saved.get(k) != now[k]]
     if changed:
         raise SystemExit(f"--resume with other {', '.join(changed)} than the run in {out} would mix settings: use "
                          "the same flags, or start another --output-dir.")
+    if not args.select and saved.get("chosen_lr") != {arm: lr_of(arm) for arm in now["arms"]}:
+        raise SystemExit(f"--resume: the learning rates chosen on dev changed since the run in {out} started.")
 
 
 def this_machine():
     cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
                 if line.startswith("model name")), None) if Path("/proc/cpuinfo").is_file() else None
     return {"started": time.strftime("%Y-%m-%d %H:%M:%S"), "cpu": cpu, "cores": os.cpu_count(),
-            "kernels": torch.backends.cpu.get_cpu_capability(), "torch": torch.__version__}
+            "torch": torch.__version__}
 
 
 def owned_files(out):
-    names = ["data", "model", "results.json", "miniature.png", "curves.png", "settings.json", "timings.json",
-             "selection.json"]
-    return [out / n for n in names if (out / n).exists()] + sorted(out.glob("eval-*")) + sorted(out.glob("opsd-*")) \
-        + sorted(out.glob("sft-*"))
+    names = ["data", "results.json", "miniature.png", "settings.json", "timings.json", "selection.json",
+             "selection.txt", "selection.png"]
+    return [out / n for n in names if (out / n).exists()] + sorted(p for p in out.glob("p[0-9]-*"))
+
+
+def load_starting_model(seed, train, heldout):
+    model_dir = SHIPPED_MODELS[seed]
+    info = json.loads((model_dir / TASK_FILE).read_text())
+    if (info.get("train_digest"), info.get("heldout_digest")) != (split_digest(train), split_digest(heldout)):
+        raise SystemExit(f"{model_dir} was pre-trained on another split of the task: pre-train it again.")
+    return model_dir, info
+
+
+# -----------------------------------------------------------------------------
+# The run
 
 
 def main(argv=None):
     args = parse_args(argv)
+    if args.grpo_job:
+        job = json.loads(args.grpo_job)
+        return train_grpo(Path(job["model_dir"]), Path(job["train_file"]), job["seed"], job["steps"], job["lr"],
+                          Path(job["out_dir"]), job["save_every"])
     if args.reference_step:
         return write_reference_step(args.reference_step)
-    t_start = time.perf_counter()
+    train, dev, heldout = make_task()
     out = Path(args.output_dir)
+    if args.pretrain:
+        if (out / "model.safetensors").exists() and not args.overwrite:
+            raise SystemExit(f"{out} already holds a model: pass --overwrite or choose another --output-dir.")
+        return pretrain(out, train, dev, heldout, seed=args.pretrain_seed, teacher_terse=args.teacher_terse)
+    t_start = time.perf_counter()
     present = owned_files(out)
     if args.resume:
         check_resume(out, args)
@@ -756,108 +1110,237 @@ def main(argv=None):
         for path in present:
             shutil.rmtree(path) if path.is_dir() else path.unlink()
         out.mkdir(parents=True, exist_ok=True)
-        (out / "settings.json").write_text(json.dumps({k: vars(args)[k] for k in RESULT_FLAGS}, indent=2) + "\n")
-    # each invocation's machine: a fixed seed reproduces exactly on one machine only (see the README)
+        saved = {k: vars(args)[k] for k in RESULT_FLAGS}
+        saved["chosen_lr"] = {arm: lr_of(arm) for arm in args.arms}
+        (out / "settings.json").write_text(json.dumps(saved, indent=2) + "\n")
     settings = json.loads((out / "settings.json").read_text())
-    settings["invocations"] = settings.get("invocations", []) + [this_machine()]
+    settings["invocations"] = settings.get("invocations", []) + [
+        {**this_machine(), "argv": sys.argv[1:] if argv is None else list(argv)}]
     (out / "settings.json").write_text(json.dumps(settings, indent=2) + "\n")
-
-    # ---- the task, written in the formats opsd.py and eval.py read
-    train, dev, heldout = make_task()
-    files = {"train": out / "data" / "train.jsonl", "dev": out / "data" / "dev.jsonl",
-             "heldout": out / "data" / "heldout.jsonl"}
+    files = {name: out / "data" / f"{name}.jsonl" for name in ("train", "dev", "heldout")}
     for name, rows in (("train", train), ("dev", dev), ("heldout", heldout)):
         write_jsonl(files[name], rows)
-
-    # ---- the starting model: shipped, or pre-trained now
-    if args.rebuild_model:
-        model_dir = out / "model"
-        if args.resume and (model_dir / TASK_FILE).is_file():
-            info = json.loads((model_dir / TASK_FILE).read_text())
-        else:
-            info = pretrain(model_dir, train, dev, heldout, steps=args.pretrain_steps, seed=args.pretrain_seed)
-    else:
-        model_dir = SHIPPED_MODEL
-        info = json.loads((model_dir / TASK_FILE).read_text())
-        if (info.get("train_digest"), info.get("heldout_digest")) != (split_digest(train), split_digest(heldout)):
-            raise SystemExit(f"{model_dir} was pre-trained on another split of the task: pass --rebuild-model.")
-    print(f"starting model: {model_dir} ({args.split} greedy: "
-          + ", ".join(f"{k} {100 * v:.1f}%" for k, v in info[f"{args.split}_greedy"].items()) + ")", flush=True)
-
-    if args.select:
-        return select_settings(args, out, model_dir, files, train, dev)
-
-    # ---- base model, then every arm and seed: train, score with eval.py
-    scored = files[args.split]
-    base, base_stderr, seconds = evaluate(model_dir, scored, args.n, out / "eval-base")
-    print(f"base: {args.split} avg@{args.n} {100 * base:.1f} (+-{100 * base_stderr:.1f} s.e.), "
-          + (f"eval {seconds:.0f}s" if seconds is not None else "eval kept"), flush=True)
-    timings_file = out / "timings.json"  # seconds per piece, kept across resumed invocations
+    timings_file = out / "timings.json"
     timings = json.loads(timings_file.read_text()) if args.resume and timings_file.is_file() else {}
-    scores = {"base": base}
 
     def timed(name, seconds):
-        if seconds is not None:  # None: the piece was finished before this invocation
+        if seconds is not None:  # None: finished before this invocation
             timings[name] = round(seconds, 1)
             timings_file.write_text(json.dumps(timings, indent=2) + "\n")
 
-    timed("eval-base", seconds)
-    curves = {"n": args.curve_n, "every": args.curve_every, "arms": {}, "seed": {}} if args.curves else None
-    same_eval = args.split == "dev" and args.n == args.curve_n  # a curve point is then the arm's own score
-    if curves:
-        if same_eval:
-            curves["base"] = base
-        else:
-            curves["base"], _, seconds = evaluate(model_dir, files["dev"], args.curve_n, out / "eval-curve-base")
-            timed("eval-curve-base", seconds)
-    for arm in args.arms:
-        scores[arm] = []
-        for k, seed in enumerate(args.seeds[arm]):
-            kind = "sft" if arm == "sft" else "opsd"
-            run = run_dir(out, kind, arm, seed)
-            with_curve = curves is not None and arm in CURVE_ARMS and k == 0
-            adapter, train_s = train_arm(model_dir, files["train"], train, arm, seed, args, run,
-                                         save_every=args.curve_every if with_curve else 0)
-            timed(run.name, train_s)
-            avg, stderr, eval_s = evaluate(model_dir, scored, args.n, run_dir(out, "eval", arm, seed), adapter)
-            timed(f"eval-{run.name}", eval_s)
-            scores[arm].append(avg)
-            print(f"{arm} seed {seed}: {args.split} avg@{args.n} {100 * avg:.1f} (+-{100 * stderr:.1f} s.e.)"
-                  + (f", training {train_s:.0f}s" if train_s is not None else ", training kept")
-                  + (f", eval {eval_s:.0f}s" if eval_s is not None else ", eval kept"), flush=True)
-            if with_curve:
-                points = []
-                for step in range(args.curve_every, args.steps + 1, args.curve_every):
-                    if step == args.steps and same_eval:
-                        points.append([step, avg])
-                        continue
-                    checkpoint = adapter if step == args.steps else run / f"checkpoint-{step}"
-                    dev_avg, _, eval_s = evaluate(model_dir, files["dev"], args.curve_n,
-                                                  out / f"eval-curve-{run.name}-step{step}", checkpoint)
-                    points.append([step, dev_avg])
-                    timed(f"eval-curve-{run.name}-step{step}", eval_s)
-                curves["arms"][arm], curves["seed"][arm] = points, seed
-                print(f"{arm} seed {seed}: dev avg@{args.curve_n} every {args.curve_every} steps: "
-                      + ", ".join(f"{s} {100 * a:.1f}" for s, a in points), flush=True)
+    scorer = {}
 
-    # ---- results
-    problems = len(heldout if args.split == "heldout" else dev)
-    results = {f"{args.split}_avg": scores, "split": args.split, "problems": problems,
-               "samples_per_model": problems * args.n,
-               "n": args.n, "arms": args.arms, "seeds": args.seeds, "steps": args.steps, "lr": args.lr,
-               "sft_lr": args.sft_lr, "base_stderr": base_stderr, "quick": args.quick, "full": args.full,
-               "stats": {arm: summarize(scores[arm], base, base_stderr) for arm in args.arms},
-               "swapped_twins_in_train": {"heldout": swapped_twins(heldout, train), "dev": swapped_twins(dev, train)},
-               "model": str(model_dir), "pretrain": info, "dev_curves": curves, "timings": timings,
-               "seconds": round(time.perf_counter() - t_start, 1), "resumed": args.resume,
-               "seconds_all_pieces": round(sum(timings.values()), 1), "invocations": settings["invocations"]}
+    def dev_scorer(model_dir):
+        if model_dir not in scorer:
+            scorer.clear()
+            scorer[model_dir] = DevScorer(model_dir)
+        return scorer[model_dir]
+
+    if args.select:
+        return select(args, out, files, train, dev, heldout, dev_scorer, timed)
+    return experiment(args, out, files, train, dev, heldout, dev_scorer, timed, timings, t_start)
+
+
+def select(args, out, files, train, dev, heldout, dev_scorer, timed):
+    """--select: every arm at every lr of --lrs, seed(s) as given, on the starting model; each run's dev curve
+    (checkpoints every --curve-every steps) into selection.json; the table; each complete family's chosen lr."""
+    model_dir, _ = load_starting_model(args.start_model, train, heldout)
+    path = out / "selection.json"
+    selection = json.loads(path.read_text()) if args.resume and path.is_file() else {
+        "model": str(model_dir), "steps": args.steps, "every": args.curve_every, "runs": {}}
+    base = selection.setdefault("base", None) or dev_scorer(model_dir).score(dev)
+    selection["base"] = base
+    tag = f"p{args.start_model}"
+    for arm in args.arms:
+        for lr in args.lrs:
+            for seed in args.seeds[arm]:
+                name = run_name(tag, arm, seed, lr)
+                if name in selection["runs"]:
+                    continue
+                run = out / name
+                _, seconds = train_arm(model_dir, files, train, arm, seed, args.steps, lr, run, args.resume,
+                                       save_every=args.curve_every)
+                timed(name, seconds)
+                points = curve(dev_scorer(model_dir), dev, run, args.steps, args.curve_every, base)
+                selection["runs"][name] = {"arm": arm, "family": FAMILY[arm], "lr": lr, "seed": seed,
+                                           "curve": points}
+                path.write_text(json.dumps(selection, indent=2) + "\n")
+                print(f"{name}: dev avg@{EVAL_N} " + ", ".join(f"{p[0]}:{100 * p[3]:.1f}" for p in points),
+                      flush=True)
+    selection["chosen"] = choose_lrs(selection)
+    path.write_text(json.dumps(selection, indent=2) + "\n")
+    (out / "selection.txt").write_text(format_selection(selection) + "\n")
+    plot_selection(selection, out / "selection.png")
+    print(format_selection(selection))
+    return selection
+
+
+def choose_lrs(selection):
+    """Each family's lr by the protocol's rule: the best dev score at the last step, within 1 point the smaller
+    lr; 'extend' when the best sits at an edge of the grid run so far (the next lr beyond it must run)."""
+    chosen = {}
+    families = sorted({r["family"] for r in selection["runs"].values()})
+    for family in families:
+        scores = {}
+        for r in selection["runs"].values():
+            if r["family"] == family and r["arm"] == family:
+                scores.setdefault(r["lr"], []).append(r["curve"][-1][3])
+        if not scores:
+            continue
+        mean = {lr: sum(v) / len(v) for lr, v in scores.items()}
+        best = max(mean.values())
+        lr = min(x for x, v in mean.items() if v >= best - 0.01)
+        grid = sorted(mean)
+        at_edge = len(grid) > 1 and lr in (grid[0], grid[-1])  # the protocol: then run the next lr beyond it
+        chosen[family] = {"lr": lr, "dev_avg": mean[lr], "grid": {f"{k:g}": v for k, v in sorted(mean.items())},
+                          "extend": bool(at_edge)}
+    return chosen
+
+
+def format_selection(selection):
+    steps = [p[0] for p in next(iter(selection["runs"].values()))["curve"]] if selection["runs"] else []
+    lines = [f"dev avg@{EVAL_N} in % by step (base {100 * selection['base']['avg']:.1f})",
+             f"{'run':<32}" + "".join(f"{s:>7}" for s in steps)]
+    for name, r in selection["runs"].items():
+        lines.append(f"{name:<32}" + "".join(f"{100 * p[3]:>7.1f}" for p in r["curve"]))
+    for family, c in selection.get("chosen", {}).items():
+        lines.append(f"chosen: {family} lr {c['lr']:g} (dev {100 * c['dev_avg']:.1f})"
+                     + ("; best at the grid's edge: extend the grid" if c["extend"] else ""))
+    return "\n".join(lines)
+
+
+def plot_selection(selection, path):
+    """The dev curves of the selection runs, one panel per lr family."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    families = sorted({r["family"] for r in selection["runs"].values()})
+    fig, axes = plt.subplots(1, len(families), figsize=(4.2 * len(families), 3.8), squeeze=False)
+    for ax, family in zip(axes[0], families):
+        for name, r in selection["runs"].items():
+            if r["family"] == family:
+                ax.plot([p[0] for p in r["curve"]], [100 * p[3] for p in r["curve"]], marker="o", ms=3,
+                        label=f"{r['arm']} lr {r['lr']:g}")
+        chosen = selection.get("chosen", {}).get(family)
+        ax.set_title(family + (f" (chosen lr {chosen['lr']:g})" if chosen else ""), fontsize=10)
+        ax.set_xlabel("optimizer step")
+        ax.set_ylabel(f"dev avg@{EVAL_N}, training format (%)")
+        ax.set_ylim(-2, 102)
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
+
+
+def best_opsd_arm(scores):
+    ran = [a for a in OPSD_ARMS if a in scores and scores[a]]
+    return max(ran, key=lambda a: sum(scores[a]) / len(scores[a])) if ran else None
+
+
+def experiment(args, out, files, train, dev, heldout, dev_scorer, timed, timings, t_start):
+    """The arms, seeds and starting models of the run: train, score with eval.py in both formats, dev curves."""
+    primary_model = args.start_model if not args.full else PRETRAIN_SEEDS[0]
+    save_every = 25 if args.full else 0  # checkpoints make a long run resumable
+    curve_arms = ("token", "none", "entry", "grpo")
+    results = {"n": args.n, "steps": args.steps, "problems": len(heldout), "quick": args.quick, "full": args.full,
+               "arms": args.arms, "seeds": args.seeds, "lr": {arm: lr_of(arm) for arm in args.arms},
+               "lr_chosen_on_dev": {arm: FAMILY[arm] in CHOSEN_LR for arm in args.arms},
+               "dev_curves": {}, "by_model": {}}
+
+    def score_model(tag, model_dir, arms, seeds):
+        """Base and each arm and seed on one starting model: {heldout_avg, transfer_avg, no_scratchpad, ...}."""
+        block = {"heldout_avg": {}, "transfer_avg": {}, "no_scratchpad": {}, "tokens_mean": {}, "seeds": {}}
+        for fmt, thinking in (("primary", False), ("transfer", True)):
+            e = evaluate(model_dir, files["heldout"], args.n, out / f"{tag}-base-eval-{fmt}", thinking=thinking)
+            timed(f"{tag}-base-eval-{fmt}", e["seconds"])
+            key = "heldout_avg" if fmt == "primary" else "transfer_avg"
+            block[key]["base"] = e["avg"]
+            block[f"base_stderr_{fmt}"] = e["stderr"]
+            if fmt == "primary":
+                block["no_scratchpad"]["base"], block["tokens_mean"]["base"] = e["no_scratchpad"], e["tokens_mean"]
+            print(f"{tag} base: held-out avg@{args.n} {fmt} {100 * e['avg']:.1f}", flush=True)
+        for arm in arms:
+            block["seeds"][arm] = seeds[arm]
+            for k in ("heldout_avg", "transfer_avg", "no_scratchpad", "tokens_mean"):
+                block[k][arm] = []
+            for seed in seeds[arm]:
+                name = run_name(tag, arm, seed)
+                run = out / name
+                with_curve = (arm in curve_arms and seed == seeds[arm][0] and tag == f"p{primary_model}"
+                              and not args.quick)
+                adapter, seconds = train_arm(model_dir, files, train, arm, seed, args.steps, lr_of(arm), run,
+                                             args.resume, save_every=args.curve_every if with_curve else save_every)
+                timed(name, seconds)
+                line = f"{name}:"
+                for fmt, thinking in (("primary", False), ("transfer", True)):
+                    e = evaluate(model_dir, files["heldout"], args.n, out / f"{name}-eval-{fmt}", adapter, thinking)
+                    timed(f"{name}-eval-{fmt}", e["seconds"])
+                    block["heldout_avg" if fmt == "primary" else "transfer_avg"][arm].append(e["avg"])
+                    if fmt == "primary":
+                        block["no_scratchpad"][arm].append(e["no_scratchpad"])
+                        block["tokens_mean"][arm].append(e["tokens_mean"])
+                    line += f" {fmt} {100 * e['avg']:.1f}"
+                print(line + (f", training {seconds:.0f}s" if seconds is not None else ", training kept"), flush=True)
+                if with_curve:
+                    cache = out / f"{name}-curve.json"
+                    if args.resume and cache.is_file():
+                        points = json.loads(cache.read_text())
+                    else:
+                        s = dev_scorer(model_dir)
+                        points = curve(s, dev, run, args.steps, args.curve_every, s.score(dev))
+                        cache.write_text(json.dumps(points) + "\n")
+                    results["dev_curves"][arm] = points
+        return block
+
+    primary = score_model(f"p{primary_model}", SHIPPED_MODELS[primary_model], args.arms, args.seeds)
+    results.update({k: primary[k] for k in ("heldout_avg", "transfer_avg", "no_scratchpad", "tokens_mean")})
+    results["base_stderr"] = {"primary": primary["base_stderr_primary"], "transfer": primary["base_stderr_transfer"]}
+    results["pretrain"] = json.loads((SHIPPED_MODELS[primary_model] / TASK_FILE).read_text())
+    if args.full:
+        best = best_opsd_arm(results["heldout_avg"])
+        headline = [best, "sft-reference", "grpo"]
+        for seed in PRETRAIN_SEEDS[1:]:
+            block = score_model(f"p{seed}", SHIPPED_MODELS[seed], headline, {arm: [1, 2] for arm in headline})
+            block["pretrain"] = json.loads((SHIPPED_MODELS[seed] / TASK_FILE).read_text())
+            block["stats"] = {key: {arm: summarize(block[key][arm], block[key]["base"], block[f"base_stderr_{fmt}"])
+                                    for arm in headline}
+                              for key, fmt in (("heldout_avg", "primary"), ("transfer_avg", "transfer"))}
+            results["by_model"][f"p{seed}"] = block
+        for arm, steps in (("token", 300), ("none", 300)):  # a delayed gain or none: one long run, dev curve
+            name = run_name(f"p{primary_model}", arm, 1) + f"-long{steps}"
+            cache = out / f"{name}-curve.json"
+            if not (args.resume and cache.is_file()):
+                _, seconds = train_arm(SHIPPED_MODELS[primary_model], files, train, arm, 1, steps, lr_of(arm),
+                                       out / name, args.resume, save_every=args.curve_every)
+                timed(name, seconds)
+                s = dev_scorer(SHIPPED_MODELS[primary_model])
+                cache.write_text(json.dumps(curve(s, dev, out / name, steps, args.curve_every, s.score(dev))) + "\n")
+            results["dev_curves"][f"{arm} ({steps} steps)"] = json.loads(cache.read_text())
+    results["stats"] = {key: {arm: summarize(results[key][arm], results[key]["base"],
+                                             results["base_stderr"]["primary" if key == "heldout_avg" else "transfer"])
+                              for arm in args.arms} for key in ("heldout_avg", "transfer_avg")}
+    best = best_opsd_arm(results["heldout_avg"])
+    results["best_opsd_arm"] = best
+    if best:
+        results["paired_vs_best_opsd"] = {
+            key: {arm: paired(results[key][best], results[key][arm], args.seeds[best], args.seeds[arm])
+                  for arm in args.arms if arm != best} for key in ("heldout_avg", "transfer_avg")}
+        results["token_efficiency"] = token_efficiency(results["dev_curves"], best, "grpo")
+    step1 = DATA / "step1_kl.json"
+    results["step1_kl"] = json.loads(step1.read_text()) if step1.is_file() and primary_model == 1 else None
+    results["timings"], results["seconds"] = timings, round(time.perf_counter() - t_start, 1)
+    results["seconds_all_pieces"] = round(sum(timings.values()), 1)
+    results["resumed"] = args.resume
     (out / "results.json").write_text(json.dumps(results, indent=2) + "\n")
-    plot(results, out, out / "miniature.png")
-    if curves:
-        plot_curves(results, out / "curves.png")
+    plot(results, out / "miniature.png")
     print(format_table(results))
-    print(f"total {results['seconds']:.0f} s -> {out / 'results.json'}, {out / 'miniature.png'}"
-          + (f", {out / 'curves.png'}" if curves else ""))
+    print(format_table(results, "transfer_avg", "held-out, transfer (eval.py's default prompt)"))
+    for tag, block in results["by_model"].items():
+        print(format_table({**block, "arms": list(block["seeds"]), "n": args.n, "problems": len(heldout)},
+                           title=f"starting model {tag}, held-out, in the training format"))
+    print(f"total {results['seconds']:.0f} s -> {out / 'results.json'}, {out / 'miniature.png'}")
     return results
 
 

@@ -1,15 +1,17 @@
 # python -m pytest tests/test_miniature.py -q
-"""OPSD in miniature. The task's splits and the pre-training mix; the statistics; the SFT arm's loss against a
-float64 oracle; the port-check fixture (tests/data/miniature/reference_step.json) recomputed through opsd.py's
-functions and by an independent float64 computation; a fixed seed reproducing opsd.py's run exactly; and the
-quick variant: opsd.py trains the `none` arm (the opsd.py arm that gained on the dev split, see the README's
-"OPSD in miniature") from the shipped model, it scores clearly above the base model on the held-out split, and
-eval.py's scores reach results.json unchanged; an interrupted run resumes to the same results. (The other arms
-run in the full experiment, not here.)"""
+"""Reasoning in miniature (tests/miniature.py, tests/miniature.md). The task's split and the writers' traces
+against hand-worked examples and counts; the starting models' acceptance figures recomputed independently; the
+student's prompt token-identical between opsd.py --student-prompt eval --no-student-thinking and eval.py
+--no-thinking; the statistics, GRPO's advantages and loss and the SFT loss against hand values and float64
+oracles; the port-check fixture (tests/data/miniature/reference_step.json) recomputed through opsd.py's functions
+and independently; a fixed seed reproducing opsd.py's run exactly; and the quick variant: opsd.py trains the
+`none` arm from the shipped model, it scores above the base model in the training format on the held-out split,
+results.json holds what eval.py scored, and an interrupted run resumes to the same results."""
 
 import json
 import math
 import os
+import random
 import subprocess
 import sys
 from pathlib import Path
@@ -22,48 +24,174 @@ import miniature
 import opsd
 
 ROOT = Path(__file__).resolve().parent.parent
-REFERENCE = miniature.TESTS / "data" / "miniature" / "reference_step.json"
+REFERENCE = miniature.DATA / "reference_step.json"
 
-def test_task_splits_are_disjoint_and_every_answer_is_the_sum():
-    train, dev, heldout = miniature.make_task()
-    assert (len(train), len(dev), len(heldout)) == (7300, 400, 400)
+
+@pytest.fixture(scope="module")
+def task():
+    return miniature.make_task()
+
+
+def test_task_splits_are_disjoint_and_every_answer_is_the_sum(task):
+    train, dev, heldout = task
+    assert (len(train), len(dev), len(heldout)) == (12_000, 400, 400)
     names = [{r["problem"] for r in split} for split in (train, dev, heldout)]
-    assert sum(map(len, names)) == 8100 and len(set().union(*names)) == 8100  # disjoint, all pairs
+    assert sum(map(len, names)) == 12_800 and len(set().union(*names)) == 12_800  # disjoint
+    scored = names[1] | names[2]
     for r in train + dev + heldout:
         a, b = map(int, r["problem"].split("+"))
-        assert 10 <= a <= 99 and 10 <= b <= 99 and int(r["answer"]) == a + b
-    assert all(r["solution"] == f"{r['problem']}={r['answer']}" and r["no_solution"] == "" for r in train)
-    # the wrong arm's reference: another training problem's solution, with another answer, each used once
-    wrong = [r["wrong_solution"] for r in train]
+        assert 100 <= a <= 999 and 100 <= b <= 999 and int(r["answer"]) == a + b
+    for r in train:  # no training problem is the operands-swapped twin of a scored one
+        a, b = r["problem"].split("+")
+        assert f"{b}+{a}" not in scored
+        assert r["solution"] == f"{r['problem']}={r['answer']}" and r["no_solution"] == ""
+        assert r["trace"].endswith(f"\\boxed{{{r['answer']}}}")
+    wrong = [r["wrong_solution"] for r in train]  # another problem's reference with another answer, each used once
     assert sorted(wrong) == sorted(r["solution"] for r in train)
     assert all(w.split("=")[1] != r["answer"] for w, r in zip(wrong, train))
-    # the swapped-operand fact the README states, counted by hand here
-    train_problems = {r["problem"] for r in train}
-    twins = sum(f"{r['problem'].split('+')[1]}+{r['problem'].split('+')[0]}" in train_problems for r in heldout)
-    assert twins == miniature.swapped_twins(heldout, train) and 300 < twins < 400
-    # the shipped model was pre-trained on this very training split, without dev or held-out problems
-    info = json.loads((miniature.SHIPPED_MODEL / miniature.TASK_FILE).read_text())
-    assert info["train_digest"] == miniature.split_digest(train)
-    assert info["dev_digest"] == miniature.split_digest(dev)
-    assert info["heldout_digest"] == miniature.split_digest(heldout)
+    # every shipped model was pre-trained on this very split
+    for model_dir in miniature.SHIPPED_MODELS.values():
+        info = json.loads((model_dir / miniature.TASK_FILE).read_text())
+        assert info["train_digest"] == miniature.split_digest(train)
+        assert (info["dev_digest"], info["heldout_digest"]) == (miniature.split_digest(dev),
+                                                                miniature.split_digest(heldout))
 
 
-def test_pretraining_formats_are_the_scripts_own_prompts():
+def test_traces_against_hand_worked_examples():
+    assert miniature.correct_trace(457, 385) == "7+5=12 5+8+1=14 4+3+1=8 \\boxed{842}"
+    assert miniature.correct_trace(999, 999) == "9+9=18 9+9+1=19 9+9+1=19 \\boxed{1998}"
+    assert miniature.correct_trace(100, 100) == "0+0=0 0+0=0 1+1=2 \\boxed{200}"
+    always = random.Random(0)
+    # the misconception, always on: the tens column (5+8 and a carry, 14: it carries again) loses its carry; the
+    # hundreds column (4+3 and a carry, 8: it does not carry again) keeps it
+    assert miniature.write_trace(457, 385, always, carry_drop=1.0) == "7+5=12 5+8=13 4+3+1=8 \\boxed{832}"
+    assert miniature.write_trace(199, 801, always, carry_drop=1.0) == "9+1=10 9+0=9 1+8=9 \\boxed{990}"
+    assert miniature.misconception_applies(457, 385) and not miniature.misconception_applies(123, 456)
+    assert not miniature.misconception_applies(450, 380)  # carries into the hundreds, which do not carry again
+    assert miniature.has_scratchpad("7+5=12 \\boxed{12}") and not miniature.has_scratchpad("\\boxed{842}")
+
+
+def test_the_error_prone_writer_errs_at_its_rates():
+    """Counts over many draws against the rates the protocol fixes: a slip in 10% of columns; the carry dropped in
+    70% of the columns that carry again; no error at all without either."""
+    rng = random.Random(1)
+    slipped = columns = dropped = chances = 0
+    for _ in range(6000):
+        a, b = rng.randint(100, 999), rng.randint(100, 999)
+        got = miniature.write_trace(a, b, rng, slip=0.1).split(" ")[:3]
+        for i, col in enumerate(got):  # the writer with slips only: carries as written, sums off by one
+            x, y = a // 10 ** i % 10, b // 10 ** i % 10
+            lhs, s = col.split("=")
+            slipped += int(s) != sum(map(int, lhs.split("+")))
+            columns += 1
+        got = miniature.write_trace(a, b, rng, carry_drop=0.7).split(" ")[:3]
+        carry = 0
+        for i, col in enumerate(got):
+            x, y = a // 10 ** i % 10, b // 10 ** i % 10
+            if carry and x + y + 1 >= 10:
+                chances += 1
+                dropped += col == f"{x}+{y}={x + y}"
+            s = int(col.split("=")[1])
+            carry = s // 10
+    assert abs(slipped / columns - 0.1) < 0.01 and abs(dropped / chances - 0.7) < 0.02, (slipped / columns,
+                                                                                       dropped / chances)
+    clean = random.Random(2)
+    assert all(miniature.write_trace(a, b, clean) == miniature.correct_trace(a, b) for a in range(100, 1000, 37)
+               for b in range(100, 1000, 41))
+    for a in range(100, 1000, 7):  # self-consistent: the answer is what the written columns give
+        b = 1099 - a
+        text = miniature.writer_trace(a, b, clean)
+        digits, carry = [], 0
+        for col in text.split(" ")[:3]:
+            s = int(col.split("=")[1])
+            digits.append(s % 10)
+            carry = s // 10
+        assert evaluation.extract_boxed(text) == str(int(("1" if carry else "") + "".join(map(str, digits[::-1]))))
+
+
+def test_pretraining_examples_are_the_scripts_own_prompts(task):
     from transformers import AutoTokenizer
 
+    train = task[0]
     tok = AutoTokenizer.from_pretrained(miniature.SHIPPED_MODEL)
-    rows = miniature.make_task()[0][:5]
-    student_teacher = opsd.build_prompts(tok, [(r["problem"], r["solution"]) for r in rows], student_thinking=False,
-                                         teacher_thinking=True, max_prompt_length=256)
-    empty = opsd.build_prompts(tok, [(r["problem"], r["no_solution"]) for r in rows], student_thinking=False,
-                               teacher_thinking=True, max_prompt_length=256)
-    for r, (student, teacher), (_, teacher_empty) in zip(rows, student_teacher, empty):
-        assert miniature.format_prompt(tok, r, "student") == student
-        assert miniature.format_prompt(tok, r, "teacher") == teacher
-        assert miniature.format_prompt(tok, r, "teacher_empty") == teacher_empty
-        assert miniature.format_prompt(tok, r, "eval") == evaluation.prompt_ids(tok, r["problem"], True)
-    # every digit is its own token, so the answer 123 is three tokens between the braces
-    assert tok.convert_ids_to_tokens(miniature.answer_ids(tok, "123"))[-5:-1] == ["1", "2", "3", "}"]
+    rng = random.Random(0)
+    r = train[0]
+    a, b = miniature.operands(r["problem"])
+    prompt, answer = miniature.pretrain_example(tok, r, "teacher", rng)
+    assert prompt == opsd.render(tok, opsd.teacher_message(r["problem"], r["solution"]), thinking=True)
+    assert tok.decode(answer) == r["trace"] + tok.eos_token
+    prompt, _ = miniature.pretrain_example(tok, r, "teacher_empty", rng)
+    assert prompt == opsd.render(tok, opsd.teacher_message(r["problem"], ""), thinking=True)
+    assert miniature.pretrain_example(tok, r, "student", rng)[0] == evaluation.prompt_ids(tok, r["problem"], False)
+    assert miniature.pretrain_example(tok, r, "transfer", rng)[0] == evaluation.prompt_ids(tok, r["problem"], True)
+    # issue 25's teacher: the reference's style (the boxed answer alone) at the given share of teacher examples
+    terse = [tok.decode(miniature.pretrain_example(tok, r, "teacher", rng, teacher_terse=0.3)[1]) for _ in range(2000)]
+    share = sum(t == f"\\boxed{{{a + b}}}{tok.eos_token}" for t in terse) / len(terse)
+    assert abs(share - 0.3) < 0.04 and all(t in (r["trace"] + tok.eos_token, f"\\boxed{{{a + b}}}{tok.eos_token}")
+                                           for t in terse)
+    # every digit is its own token
+    assert tok.convert_ids_to_tokens(miniature.answer_ids(tok, "\\boxed{1234}"))[-6:-1] == ["1", "2", "3", "4", "}"]
+
+
+def test_the_student_trains_in_the_prompt_eval_scores(task, tmp_path):
+    """opsd.py --student-prompt eval --no-student-thinking, through its own data loading, gives the student prompt
+    eval.py --no-thinking renders for the same problem text, token for token; the teacher keeps opsd.py's prompt
+    with the reference. So the primary score is taken in the very prompt the student trains in."""
+    from transformers import AutoTokenizer
+
+    train = task[0][:20]
+    miniature.write_jsonl(tmp_path / "train.jsonl", train)
+    args = opsd.parse_args(["--model", str(miniature.SHIPPED_MODEL), "--dataset", str(tmp_path / "train.jsonl"),
+                            *miniature.OPSD_FLAGS, *miniature.STUDENT_FLAGS])
+    _, prompts = opsd.load_prompts(args)
+    tok = AutoTokenizer.from_pretrained(miniature.SHIPPED_MODEL)
+    for r, (student, teacher) in zip(train, prompts):
+        assert student == evaluation.prompt_ids(tok, r["problem"], thinking=False) == \
+               miniature.student_prompt(tok, r["problem"])
+        assert tok.decode(student).endswith("<|im_start|>assistant\n<think>\n\n</think>\n\n")
+        assert f"{r['problem']}\n\n{evaluation.INSTRUCTION}" in tok.decode(student)
+        assert "Problem:" not in tok.decode(student)
+        assert teacher == miniature.teacher_prompt(tok, r["problem"], r["solution"])
+    assert len(prompts) == len(train)
+
+
+def unbatched_greedy(model, tok, prompt, max_new_tokens=48):
+    ids = list(prompt)
+    with torch.no_grad():
+        for _ in range(max_new_tokens):
+            nxt = int(model(input_ids=torch.tensor([ids])).logits[0, -1].argmax())
+            if nxt == tok.eos_token_id:
+                break
+            ids.append(nxt)
+    return tok.decode(ids[len(prompt):], skip_special_tokens=True)
+
+
+def test_the_starting_models_were_accepted_by_the_fixed_rule(task):
+    """Every shipped model's record: accepted by ACCEPT's rule, with the figures it was accepted on; the primary
+    model's student and teacher greedy accuracy on 100 dev problems recomputed here one problem at a time, with an
+    unbatched greedy loop (not the batched, left-padded one that made the record)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    dev = task[1]
+    for model_dir in miniature.SHIPPED_MODELS.values():
+        info = json.loads((model_dir / miniature.TASK_FILE).read_text())
+        assert info["accepted"] and miniature.accept(info["dev"], info["dev_answer_loss"])["accepted"]
+        assert info["pretrain_steps"] == miniature.PRETRAIN["steps"] and info["teacher_terse"] == 0.0
+    info = json.loads((miniature.SHIPPED_MODEL / miniature.TASK_FILE).read_text())
+    tok = AutoTokenizer.from_pretrained(miniature.SHIPPED_MODEL)
+    model = AutoModelForCausalLM.from_pretrained(miniature.SHIPPED_MODEL, dtype=torch.float32).eval()
+    rows = dev[:100]
+    student = [unbatched_greedy(model, tok, miniature.student_prompt(tok, r["problem"])) for r in rows]
+    references = [f"{r['problem']}={r['answer']}" for r in rows]
+    teacher = [unbatched_greedy(model, tok, miniature.teacher_prompt(tok, r["problem"], ref))
+               for r, ref in zip(rows, references)]
+    batched = miniature.generate(model, tok, [miniature.student_prompt(tok, r["problem"]) for r in rows])
+    assert sum(a == b for a, b in zip(student, batched)) >= 98  # batching changes at most a near-tie or two
+    student_acc = sum(evaluation.extract_boxed(t) == r["answer"] for t, r in zip(student, rows)) / len(rows)
+    teacher_acc = sum(evaluation.extract_boxed(t) == r["answer"] for t, r in zip(teacher, rows)) / len(rows)
+    assert abs(student_acc - info["dev"]["student_greedy"]) < 0.12  # 100 of the record's 400 problems
+    assert teacher_acc >= 0.9 and student_acc < teacher_acc
+    assert all(miniature.has_scratchpad(t) for t in student)  # the student reasons in its scratchpad
 
 
 def test_statistics_against_hand_computed_values():
@@ -74,57 +202,76 @@ def test_statistics_against_hand_computed_values():
     assert s["vs_base"] == pytest.approx(0.15)
     assert s["vs_base_ci95"] == pytest.approx((0.124217 ** 2 + 0.0196 ** 2) ** 0.5, abs=1e-6)
     one = miniature.summarize([0.4], base=0.1, base_stderr=0.01)
-    assert one["ci95"] is None and one["vs_base_ci95"] is None and one["vs_base"] == pytest.approx(0.3)
+    assert one["ci95"] is None and one["vs_base_ci95"] is None
+    # paired over the common seeds 1 and 3 only: differences 0.1 and 0.3, mean 0.2, std 0.141421, se 0.1,
+    # t(1) 12.706 -> half-width 1.2706
+    d = miniature.paired([0.5, 0.6, 0.7], [0.4, 0.4], [1, 2, 3], [1, 3])
+    assert d["seeds"] == [1, 3] and d["differences"] == pytest.approx([0.1, 0.3])
+    assert d["mean"] == pytest.approx(0.2) and d["ci95"] == pytest.approx(1.2706, abs=1e-4)
 
 
-def test_a_one_seed_figure_shows_no_mean_and_a_quick_one_says_so():
-    results = {"arms": ["token"], "split": "heldout", "heldout_avg": {"base": 0.1, "token": [0.3]},
-               "seeds": {"token": [1]}, "n": 2, "quick": True}
-    left, title = miniature.figure_titles(results)
-    assert "mean" not in left and "dots" not in left and "seed 1" in left
-    assert "quick" in title and "one seed" in title
-    results.update(quick=False, seeds={"token": [1, 2]}, heldout_avg={"base": 0.1, "token": [0.3, 0.4]})
-    left, title = miniature.figure_titles(results)
-    assert "mean" in left and title is None
+def test_token_efficiency_interpolates_between_checkpoints():
+    # a reaches 0.6 at the second point (1000 tokens); b's final 0.6 is the target, first reached halfway between
+    # its 2000- and 4000-token checkpoints (0.4 -> 0.8): 3000 tokens, ratio 3
+    curves = {"a": [[0, 0, 0.0, 0.2, 0], [25, 1000, 10.0, 0.6, 0], [50, 2000, 20.0, 0.9, 0]],
+              "b": [[0, 0, 0.0, 0.2, 0], [25, 2000, 5.0, 0.4, 0], [50, 4000, 10.0, 0.8, 0], [75, 6000, 15.0, 0.6, 0]]}
+    e = miniature.token_efficiency(curves, "a", "b")
+    assert e["target_dev_avg"] == 0.6 and e["tokens"] == pytest.approx([1000, 3000])
+    assert e["token_ratio"] == pytest.approx(3.0) and e["seconds"] == pytest.approx([10.0, 7.5])
 
 
-@pytest.mark.parametrize("argv, words", [
-    (["--output-dir", "x", "--arms", "token,bogus"], "--arms"),
-    (["--output-dir", "x", "--seeds", "1,1"], "--seeds"),
-    (["--output-dir", "x", "--full", "--arms", "token"], "--full"),
-    (["--arms", "token"], "--output-dir"),
-    (["--output-dir", "x", "--resume", "--overwrite"], "--resume"),
-])
-def test_bad_flags_are_refused_in_one_sentence(argv, words):
-    proc = subprocess.run([sys.executable, str(ROOT / "tests" / "miniature.py"), *argv], capture_output=True,
-                          text=True, timeout=120, cwd=ROOT)
-    assert proc.returncode == 2 and "Traceback" not in proc.stderr
-    assert proc.stderr.strip().splitlines()[-1].startswith("miniature.py: error:") and words in proc.stderr
-
-
-def test_sft_loss_is_the_answer_tokens_cross_entropy(tmp_path):
-    """The sft arm's step-1 loss against a float64 oracle: each row alone, unpadded, the mean over all answer
-    tokens of the step of -log p(answer token); and training moves the adapter off zero."""
+def test_grpo_advantages_and_loss_against_float64_oracles(task):
+    adv = miniature.group_advantages([1, 0, 0, 0, 1, 1, 1, 1], 4)
+    # group 1: mean 0.25, population std sqrt(0.1875) = 0.4330127; group 2: all equal -> 0
+    assert adv[:4].tolist() == pytest.approx([0.75 / (0.4330127 + 1e-4)] + [-0.25 / (0.4330127 + 1e-4)] * 3)
+    assert adv[4:].abs().max() == 0
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    train = miniature.make_task()[0]
-    miniature.train_sft(miniature.SHIPPED_MODEL, train, seed=3, steps=2, lr=1e-3, out_dir=tmp_path)
-    step1 = json.loads((tmp_path / "metrics.jsonl").read_text().splitlines()[0])
+    train = task[0]
     tok = AutoTokenizer.from_pretrained(miniature.SHIPPED_MODEL)
-    model = AutoModelForCausalLM.from_pretrained(miniature.SHIPPED_MODEL, dtype=torch.float64).eval()
+    model = AutoModelForCausalLM.from_pretrained(miniature.SHIPPED_MODEL, dtype=torch.float32)
+    prompts = [miniature.student_prompt(tok, r["problem"]) for r in train[:4]]
+    completions = [miniature.answer_ids(tok, r["trace"])[: 5 + 3 * i] for i, r in enumerate(train[:4])]
+    advantages = torch.tensor([1.5, -0.5, 0.25, -1.25], dtype=torch.float64)
+    loss = miniature.grpo_loss(model, prompts, completions, advantages, tok.pad_token_id, temperature=1.1)
+    ref = model.to(torch.float64).eval()
     total, count = 0.0, 0
     with torch.no_grad():
-        for i in opsd.step_indices(0, miniature.PROMPTS_PER_STEP, len(train), 3):
-            prompt = opsd.render(tok, opsd.student_message(train[i]["problem"]), thinking=False)
-            answer = tok.encode(f"\\boxed{{{train[i]['answer']}}}", add_special_tokens=False) + [tok.eos_token_id]
-            logp = torch.log_softmax(model(input_ids=torch.tensor([prompt + answer])).logits[0], -1)
-            total -= sum(logp[len(prompt) - 1 + k, t].item() for k, t in enumerate(answer))
-            count += len(answer)
-    assert step1["loss"] == pytest.approx(total / count, rel=1e-5)
-    from safetensors.torch import load_file
+        for p, c, a in zip(prompts, completions, advantages.tolist()):
+            logp = torch.log_softmax(ref(input_ids=torch.tensor([p + c])).logits[0] / 1.1, -1)
+            total -= a * sum(logp[len(p) - 1 + k, t].item() for k, t in enumerate(c))
+            count += len(c)
+    # float32 against float64; the advantages' signs cancel much of the sum, so the tolerance is absolute (the
+    # terms' scale is ~1e-2: a wrong sign, temperature or token shift moves the loss far more)
+    assert loss.item() == pytest.approx(total / count, abs=1e-6)
 
-    tensors = load_file(str(tmp_path / "final" / opsd.ADAPTER_WEIGHTS))
-    assert any(v.abs().max() > 0 for k, v in tensors.items() if "lora_B" in k)
+
+def test_sft_losses_are_the_targets_cross_entropy(task, tmp_path):
+    """Step 1 of each SFT arm against a float64 oracle: each row alone, unpadded, the mean over the step's target
+    tokens of -log p(token); the targets are the terse reference then the boxed answer, or the correct trace."""
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    train = task[0]
+    tok = AutoTokenizer.from_pretrained(miniature.SHIPPED_MODEL)
+    model = AutoModelForCausalLM.from_pretrained(miniature.SHIPPED_MODEL, dtype=torch.float64).eval()
+    for arm, text in (("sft-reference", lambda r: f"{r['problem']}={r['answer']} \\boxed{{{r['answer']}}}"),
+                      ("sft-trace", lambda r: miniature.correct_trace(*miniature.operands(r["problem"])))):
+        out = tmp_path / arm
+        miniature.train_sft(miniature.SHIPPED_MODEL, train, miniature.ARMS[arm][1], seed=3, steps=2, lr=1e-3,
+                            out_dir=out)
+        step1 = json.loads((out / "metrics.jsonl").read_text().splitlines()[0])
+        total, count = 0.0, 0
+        with torch.no_grad():
+            for i in opsd.step_indices(0, miniature.COMPLETIONS_PER_STEP, len(train), 3):
+                prompt = evaluation.prompt_ids(tok, train[i]["problem"], False)
+                answer = tok.encode(text(train[i]), add_special_tokens=False) + [tok.eos_token_id]
+                logp = torch.log_softmax(model(input_ids=torch.tensor([prompt + answer])).logits[0], -1)
+                total -= sum(logp[len(prompt) - 1 + k, t].item() for k, t in enumerate(answer))
+                count += len(answer)
+        assert step1["loss"] == pytest.approx(total / count, rel=1e-5), arm
+        tensors = load_file(str(out / "final" / opsd.ADAPTER_WEIGHTS))
+        assert any(v.abs().max() > 0 for k, v in tensors.items() if "lora_B" in k)
 
 
 def test_reference_step_figures():
@@ -144,8 +291,7 @@ def test_reference_step_figures():
     model = AutoModelForCausalLM.from_pretrained(miniature.SHIPPED_MODEL, dtype=torch.float64).eval()
     T, tau = settings["temperature"], settings["tau"]
     assert settings["beta"] == 0.0
-    per_position = []  # (V,) d_v = p_T(v) (log p_T(v) - log p_S(v)) at each completion position
-    teacher_probs = []
+    per_position, teacher_probs = [], []  # (V,) d_v = p_T(v) (log p_T(v) - log p_S(v)) at each completion position
     with torch.no_grad():
         for r in rows:
             c = r["completion_ids"]
@@ -171,32 +317,27 @@ def test_reference_step_figures():
     losses = sorted(expected[clip]["loss"] for clip in ("token", "entry", "none"))
     assert losses[1] - losses[0] > 1e-3 and losses[2] - losses[1] > 1e-3
     assert expected["none"]["loss"] == pytest.approx(expected["none"]["kl_mean"], abs=1e-7)
+    # the step-1 KL profile beside it is these positions' KL
+    profile = json.loads((miniature.DATA / "step1_kl.json").read_text())
+    assert profile["positions"] == N and profile["kl_mean"] == pytest.approx(kl.mean().item(), abs=1e-5)
+    # the share above tau in float32 against float64: at most one position may sit on the other side of tau
+    assert abs(profile["frac_above_tau"] * N - int((kl > tau).sum())) <= 1 + 1e-3
+    assert sum(profile["histogram_counts"]) == N
 
 
-def test_selection_scores_the_probability_of_the_exact_answer(tmp_path):
-    """--select with the sft arm for 4 steps: selection.json holds the dev score of the base model and of each
-    checkpoint; the base score equals a float64 computation, row by row and unpadded, of the mean over dev problems
-    of exp(sum of the answer tokens' log-probs) after eval.py's prompt."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    selection = miniature.main(["--output-dir", str(tmp_path), "--select", "--arms", "sft", "--seeds", "2",
-                                "--steps", "4", "--curve-every", "2"])
-    assert json.loads((tmp_path / "selection.json").read_text()) == selection and selection["steps"] == [2, 4]
-    dev = miniature.make_task()[1]
-    tok = AutoTokenizer.from_pretrained(miniature.SHIPPED_MODEL)
-    model = AutoModelForCausalLM.from_pretrained(miniature.SHIPPED_MODEL, dtype=torch.float64).eval()
-    probabilities = []
-    with torch.no_grad():
-        for r in dev:
-            prompt, answer = evaluation.prompt_ids(tok, r["problem"], True), miniature.answer_ids(tok, r["answer"])
-            logp = torch.log_softmax(model(input_ids=torch.tensor([prompt + answer])).logits[0], -1)
-            probabilities.append(math.exp(sum(logp[len(prompt) - 1 + k, t].item() for k, t in enumerate(answer))))
-    assert selection["base"] == pytest.approx(sum(probabilities) / len(dev), rel=1e-4)
-    run = miniature.run_dir(tmp_path, "sft", "sft", 2)
-    points = selection["runs"]["sft seed 2"]
-    assert points[-1] == miniature.answer_probability(miniature.SHIPPED_MODEL, dev, run / "final")
-    assert points[0] == miniature.answer_probability(miniature.SHIPPED_MODEL, dev, run / "checkpoint-2")
-    assert points[0] != selection["base"] and points[1] != points[0]  # each checkpoint is its own adapter
+@pytest.mark.parametrize("argv, words", [
+    (["--output-dir", "x", "--arms", "token,bogus"], "--arms"),
+    (["--output-dir", "x", "--seeds", "1,1"], "--seeds"),
+    (["--output-dir", "x", "--full", "--arms", "token"], "--full"),
+    (["--arms", "token"], "--output-dir"),
+    (["--output-dir", "x", "--resume", "--overwrite"], "--resume"),
+    (["--output-dir", "x", "--quick", "--select"], "--select"),
+])
+def test_bad_flags_are_refused_in_one_sentence(argv, words):
+    proc = subprocess.run([sys.executable, str(ROOT / "tests" / "miniature.py"), *argv], capture_output=True,
+                          text=True, timeout=120, cwd=ROOT)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    assert proc.stderr.strip().splitlines()[-1].startswith("miniature.py: error:") and words in proc.stderr
 
 
 def metrics_without_timings(run):
@@ -204,26 +345,48 @@ def metrics_without_timings(run):
     return [{k: v for k, v in r.items() if k not in miniature.TIMING_FIELDS} for r in records]
 
 
-def test_a_fixed_seed_reproduces_exactly(tmp_path):
-    """Two runs of the token arm through opsd.py with --seed 1, the second on one OpenMP thread: identical
-    metrics.jsonl apart from timings, identical adapters; and their step 1 is the port-check fixture's."""
-    train = miniature.make_task()[0]
-    miniature.write_jsonl(tmp_path / "train.jsonl", train)
+def test_a_fixed_seed_reproduces_exactly(task, tmp_path):
+    """Two runs of the token arm through opsd.py with --seed 1 on this machine: identical metrics.jsonl apart from
+    timings, identical adapters; a third on one OpenMP thread agrees to float32 rounding (its reductions run in
+    another order: on this model's step sizes the gradient norm differs in its last bits from step 2 on); and their
+    step 1 is the port-check fixture's."""
+    miniature.write_jsonl(tmp_path / "train.jsonl", task[0])
     runs = []
-    for name, env in (("a", {}), ("b", {"OMP_NUM_THREADS": "1"})):
+    for name, env in (("a", {}), ("b", {}), ("c", {"OMP_NUM_THREADS": "1"})):
         out = tmp_path / name
-        cmd = miniature.opsd_command(miniature.SHIPPED_MODEL, tmp_path / "train.jsonl", "token", 1, 4,
-                                     miniature.OPSD_LR, out)
+        cmd = miniature.opsd_command(miniature.SHIPPED_MODEL, tmp_path / "train.jsonl", "token", 1, 4, 5e-3, out)
         miniature.run_logged(cmd, tmp_path / f"{name}.log", env=env)
         runs.append(out)
-    a, b = (metrics_without_timings(run) for run in runs)
+    a, b, c = (metrics_without_timings(run) for run in runs)
     assert len(a) == 4 and a == b
     assert len({r["loss"] for r in a}) == 4  # the steps differ from each other: the check compares real values
     adapter = opsd.ADAPTER_WEIGHTS
     assert (runs[0] / "final" / adapter).read_bytes() == (runs[1] / "final" / adapter).read_bytes()
+    for ra, rc in zip(a, c):
+        assert ra.keys() == rc.keys()
+        for key, value in ra.items():  # the sampler/trainer gap is float32 rounding itself: it stays at its floor
+            tolerance = dict(abs=1e-5) if key.startswith("logprob_gap") else dict(rel=1e-5, abs=1e-9)
+            assert rc[key] == pytest.approx(value, **tolerance), (ra["step"], key)
     expected = json.loads(REFERENCE.read_text())["expected"]["token"]
     for key in ("loss", "kl_mean", "kl_clipped_teacher_mass"):
         assert a[0][key] == pytest.approx(expected[key], abs=1e-6), key
+
+
+def test_grpo_trains_from_opsds_parts(task, tmp_path):
+    """Three GRPO steps in their own process: 64 completions a step (8 prompts x 8), rewards in [0, 1] that are
+    not all alike on this imperfect model, the weight push checked by opsd.py, the adapter moved off zero."""
+    from safetensors.torch import load_file
+
+    files = {"train": tmp_path / "train.jsonl"}
+    miniature.write_jsonl(files["train"], task[0])
+    adapter, _ = miniature.train_arm(miniature.SHIPPED_MODEL, files, task[0], "grpo", 1, 3, 5e-3, tmp_path / "g",
+                                     resume=False)
+    records = miniature.read_metrics(tmp_path / "g")
+    assert [r["step"] for r in records] == [1, 2, 3]
+    assert all(0 < r["reward_mean"] < 1 and r["sampled_tokens"] == 64 * r["completion_len_mean"] for r in records)
+    assert all(r["time_push"] > 0 for r in records)
+    tensors = load_file(str(adapter / opsd.ADAPTER_WEIGHTS))
+    assert any(v.abs().max() > 0 for k, v in tensors.items() if "lora_B" in k)
 
 
 @pytest.fixture(scope="module")
@@ -235,29 +398,31 @@ def quick_run(tmp_path_factory):
     return out, proc.stdout
 
 
-def test_quick_run_reports_what_eval_scored(quick_run):
+def test_quick_run_gains_in_the_training_format(quick_run):
     out, stdout = quick_run
     results = json.loads((out / "results.json").read_text())
     arm = miniature.QUICK_ARM
     score, base = results["heldout_avg"][arm][0], results["heldout_avg"]["base"]
-    assert results["samples_per_model"] == 400 * results["n"] and results["quick"] and results["arms"] == [arm]
-    assert 0.05 < base < 0.6, "the shipped model should be clearly imperfect, not useless"
-    # training through opsd.py made it better: on dev this arm gained 7.4 points (noise-free score, seed 1); 3
-    # points is about two standard errors of the difference of two avg@2 scores on 400 problems
-    assert score > base + 0.03, (score, base)
-    # results.json agrees with eval.py's own summary, recomputed here from its samples
-    samples = [json.loads(line) for line in (out / f"eval-{arm}-s1" / "samples.jsonl").read_text().splitlines()]
-    assert len(samples) == results["samples_per_model"]
-    assert score == pytest.approx(sum(s["correct"] for s in samples) / len(samples))
+    assert results["quick"] and results["arms"] == [arm] and results["n"] == 1
+    assert 0.3 < base < 0.8, "the shipped model should be clearly imperfect, not useless"
+    # 10 points is about three standard errors of the difference of two avg@1 scores on 400 problems near 60%
+    assert score > base + QUICK_GAIN, (score, base)
+    # results.json agrees with eval.py's samples, regraded here: the boxed answer against the sum of the operands
+    for name, key in (("p1-none-s1-eval-primary", "heldout_avg"), ("p1-none-s1-eval-transfer", "transfer_avg")):
+        samples = [json.loads(line) for line in (out / name / "samples.jsonl").read_text().splitlines()]
+        assert len(samples) == 400
+        heldout = miniature.make_task()[2]
+        right = [evaluation.extract_boxed(s["completion"]) == str(sum(miniature.operands(heldout[s["problem"]]
+                                                                                          ["problem"])))
+                 for s in samples]
+        assert results[key][arm][0] == pytest.approx(sum(right) / len(right))
     assert (out / "miniature.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert arm in stdout and "per seed" in stdout
-    # opsd.py ran every step and moved the adapter off its zero start (LoRA B starts at 0)
-    from safetensors.torch import load_file
+    run = out / miniature.run_name("p1", arm, 1)
+    assert len((run / "metrics.jsonl").read_text().splitlines()) == results["steps"] == miniature.QUICK_STEPS
 
-    run = miniature.run_dir(out, "opsd", arm, 1)
-    assert len((run / "metrics.jsonl").read_text().splitlines()) == results["steps"] == miniature.STEPS
-    tensors = load_file(str(run / "final" / opsd.ADAPTER_WEIGHTS))
-    assert any(v.abs().max() > 0 for k, v in tensors.items() if "lora_B" in k)
+
+QUICK_GAIN = 0.10
 
 
 def test_second_run_into_the_same_directory_is_refused(quick_run):
@@ -273,22 +438,22 @@ def test_an_interrupted_run_resumes_to_the_uninterrupted_results(quick_run):
     out, _ = quick_run
     script = [sys.executable, str(ROOT / "tests" / "miniature.py"), "--output-dir", str(out), "--quick"]
     before = json.loads((out / "results.json").read_text())
-    arm = miniature.QUICK_ARM
-    metrics = miniature.run_dir(out, "opsd", arm, 1) / "metrics.jsonl"
-    trained = metrics.read_bytes()
-    scored = out / f"eval-{arm}-s1" / "samples.jsonl"
+    run = out / miniature.run_name("p1", miniature.QUICK_ARM, 1)
+    trained = (run / "metrics.jsonl").read_bytes()
+    scored = out / f"{run.name}-eval-transfer" / "samples.jsonl"
     lines = scored.read_text().splitlines(keepends=True)
     half = len(lines) // 2
     scored.write_text("".join(lines[:half]) + lines[half][:20])  # half of the samples and a line cut short
-    (out / f"eval-{arm}-s1" / "summary.json").unlink()
+    (scored.parent / "summary.json").unlink()
     (out / "results.json").unlink()
-    refused = subprocess.run(script + ["--resume", "--lr", "1e-3"], capture_output=True, text=True, timeout=120,
+    refused = subprocess.run(script + ["--resume", "--steps", "3"], capture_output=True, text=True, timeout=120,
                              cwd=ROOT)
-    assert refused.returncode != 0 and "--lr" in refused.stderr and "Traceback" not in refused.stderr
+    assert refused.returncode != 0 and "--steps" in refused.stderr and "Traceback" not in refused.stderr
     proc = subprocess.run(script + ["--resume"], capture_output=True, text=True, timeout=1200, cwd=ROOT)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     after = json.loads((out / "results.json").read_text())
-    assert after["heldout_avg"] == before["heldout_avg"] and after["resumed"] and not before["resumed"]
-    assert metrics.read_bytes() == trained and "training kept" in proc.stdout
+    assert after["heldout_avg"] == before["heldout_avg"] and after["transfer_avg"] == before["transfer_avg"]
+    assert after["resumed"] and not before["resumed"]
+    assert (run / "metrics.jsonl").read_bytes() == trained and "training kept" in proc.stdout
     assert len(scored.read_text().splitlines()) == len(lines)
-    assert after["timings"][f"opsd-{arm}-s1"] == before["timings"][f"opsd-{arm}-s1"]  # the first invocation's
+    assert after["timings"][run.name] == before["timings"][run.name]  # the first invocation's
