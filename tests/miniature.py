@@ -20,7 +20,6 @@ after the student's prompts, correct traces after the teacher's prompt with the 
 import argparse
 import hashlib
 import json
-import math
 import os
 import random
 import shutil
@@ -197,7 +196,7 @@ def build_tokenizer(train):
     trainer = trainers.BpeTrainer(vocab_size=512, special_tokens=SPECIAL_TOKENS, show_progress=False,
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
     lines = [opsd.teacher_message(r["problem"], r["solution"]) + " " + r["trace"] for r in train[:200]]
-    lines += [evaluation.build_prompt(r["problem"]) + " " + r["trace"] for r in train[:200]]
+    lines += [opsd.eval_message(r["problem"]) + " " + r["trace"] for r in train[:200]]
     lines += [opsd.student_message(r["problem"]) for r in train[:50]]
     bpe.train_from_iterator(lines, trainer)
     tok = PreTrainedTokenizerFast(tokenizer_object=bpe, eos_token="<|im_end|>", pad_token="<|endoftext|>",
@@ -583,7 +582,10 @@ def train_grpo(model_dir, train_file, seed, steps, lr, out_dir, save_every=0):
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
             t2 = time.perf_counter()
-            time_push = opsd.push_weights(llm, model)
+            problem = opsd.push_weights(llm, model)  # None, or what the read-back found wrong
+            if problem:
+                raise RuntimeError(problem)
+            time_push = time.perf_counter() - t2
             tokens = sum(map(len, completions))
             log.write(json.dumps({"step": step + 1, "loss": loss.item(), "reward_mean": sum(rewards) / len(rewards),
                                   "lr": lr_now, "grad_norm": grad_norm, "completion_len_mean": tokens / len(batch),
@@ -856,12 +858,11 @@ def plot(results, path):
 # The port-check fixture and the step-1 KL profile: step-1 rollouts of the shipped model, as opsd.py computes them
 
 REFERENCE_SEED, REFERENCE_TEMPERATURE, REFERENCE_TAU, REFERENCE_BETA = 1, 1.1, 0.05, 0.0
-STAT_COLUMNS = ("kl", "clipped_mass", "logprob")
 
 
 def stat(stats, name):
-    """One per-position diagnostic of opsd_loss, (N,): an attribute of its stats, or a column of an (N, 3) tensor."""
-    return getattr(stats, name) if hasattr(stats, name) else stats[:, STAT_COLUMNS.index(name)]
+    """One per-position diagnostic of opsd_loss, (N,): an attribute of its PositionStats."""
+    return getattr(stats, name)
 
 
 def model_digest(model_dir):

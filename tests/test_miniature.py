@@ -9,7 +9,6 @@ and independently; a fixed seed reproducing opsd.py's run exactly; and the quick
 results.json holds what eval.py scored, and an interrupted run resumes to the same results."""
 
 import json
-import math
 import os
 import random
 import subprocess
@@ -149,7 +148,7 @@ def test_the_student_trains_in_the_prompt_eval_scores(task, tmp_path):
         assert student == evaluation.prompt_ids(tok, r["problem"], thinking=False) == \
                miniature.student_prompt(tok, r["problem"])
         assert tok.decode(student).endswith("<|im_start|>assistant\n<think>\n\n</think>\n\n")
-        assert f"{r['problem']}\n\n{evaluation.INSTRUCTION}" in tok.decode(student)
+        assert f"{r['problem']}\n\n{opsd.INSTRUCTION}" in tok.decode(student)
         assert "Problem:" not in tok.decode(student)
         assert teacher == miniature.teacher_prompt(tok, r["problem"], r["solution"])
     assert len(prompts) == len(train)
