@@ -416,7 +416,7 @@ FAMILY = {arm: arm.split("@")[0] if arm not in ("wrong", "control") else "none" 
 LR_GRID = (2e-3, 5e-3, 1.25e-2)
 # each family's lr as chosen on dev (selection.json in tests/data/miniature/selection); a family not yet chosen
 # trains at PROVISIONAL_LR and results.json says so
-CHOSEN_LR = {}
+CHOSEN_LR = {"sft-reference": 2e-3}  # the others' selection is not finished (tests/miniature.md)
 PROVISIONAL_LR = 5e-3
 HEADLINE_ARMS = ("token", "none", "sft-reference", "sft-trace", "grpo")  # the default command's, seeds 1 and 2
 DEFAULT_SEEDS = "1,2"
