@@ -423,7 +423,8 @@ def opsd_loss(student_hidden, student_mask, teacher_hidden, teacher_mask, lm_hea
         loss = loss + (surrogate - surrogate.detach())
     if targets is None:
         return loss, None
-    return loss, PositionStats(*map(torch.cat, zip(*stats))) if stats else PositionStats(*[hs.new_zeros(0)] * 3)
+    empty = [hs.new_zeros(0, dtype=torch.float32)] * 3  # no position in this micro-batch
+    return loss, PositionStats(*map(torch.cat, zip(*stats))) if stats else PositionStats(*empty)
 
 # -----------------------------------------------------------------------------
 # LR schedule: linear warmup, then a cosine decay to --min-lr

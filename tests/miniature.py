@@ -440,6 +440,17 @@ def warmup_for(steps):
     return min(WARMUP, steps // 4)
 
 
+def optimizer_step(optimizer, lora_params, step, lr, steps):
+    """One AdamW step as opsd.py takes it: the gradient-norm clip, opsd.py's LR schedule. Returns (grad norm, lr)."""
+    grad_norm = torch.nn.utils.clip_grad_norm_(lora_params, MAX_GRAD_NORM).item()
+    lr_now = opsd.lr_at(step, lr=lr, max_steps=steps, warmup_steps=warmup_for(steps))
+    for group in optimizer.param_groups:
+        group["lr"] = lr_now
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return grad_norm, lr_now
+
+
 def lr_of(arm):
     return CHOSEN_LR.get(FAMILY[arm], PROVISIONAL_LR)
 
@@ -511,12 +522,7 @@ def train_sft(model_dir, train, column, seed, steps, lr, out_dir, save_every=0):
             loss = torch.nn.functional.cross_entropy(logits[mask[:, 1:]].float(),
                                                      inputs["input_ids"][:, 1:][mask[:, 1:]])
             loss.backward()
-            grad_norm = torch.nn.utils.clip_grad_norm_(lora_params, MAX_GRAD_NORM).item()
-            lr_now = opsd.lr_at(step, lr=lr, max_steps=steps, warmup_steps=warmup_for(steps))
-            for group in optimizer.param_groups:
-                group["lr"] = lr_now
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
+            grad_norm, lr_now = optimizer_step(optimizer, lora_params, step, lr, steps)
             log.write(json.dumps({"step": step + 1, "loss": loss.item(), "lr": lr_now, "grad_norm": grad_norm,
                                   "time_train": time.perf_counter() - t0}) + "\n")
             if save_every and (step + 1) % save_every == 0 and step + 1 < steps:
@@ -575,12 +581,7 @@ def train_grpo(model_dir, train_file, seed, steps, lr, out_dir, save_every=0):
             loss = grpo_loss(model, batch, completions, group_advantages(rewards, GRPO_GROUP), tok.pad_token_id,
                              args.temperature)
             loss.backward()
-            grad_norm = torch.nn.utils.clip_grad_norm_(lora_params, MAX_GRAD_NORM).item()
-            lr_now = opsd.lr_at(step, lr=lr, max_steps=steps, warmup_steps=warmup_for(steps))
-            for group in optimizer.param_groups:
-                group["lr"] = lr_now
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
+            grad_norm, lr_now = optimizer_step(optimizer, lora_params, step, lr, steps)
             t2 = time.perf_counter()
             problem = opsd.push_weights(llm, model)  # None, or what the read-back found wrong
             if problem:
