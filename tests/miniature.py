@@ -414,9 +414,10 @@ OPSD_ARMS = [a for a, (kind, _) in ARMS.items() if kind == "opsd" and a not in (
 # the lr family of each arm (tests/miniature.md, "Learning rates")
 FAMILY = {arm: arm.split("@")[0] if arm not in ("wrong", "control") else "none" for arm in ARMS}
 LR_GRID = (2e-3, 5e-3, 1.25e-2)
+EXTEND_LIMIT = (LR_GRID[0] / 2.5 ** 2, LR_GRID[-1] * 2.5 ** 2)  # at most two grid points beyond either edge
 # each family's lr as chosen on dev (selection.json in tests/data/miniature/selection); a family not yet chosen
 # trains at PROVISIONAL_LR and results.json says so
-CHOSEN_LR = {"sft-reference": 2e-3}  # the others' selection is not finished (tests/miniature.md)
+CHOSEN_LR = {"token": 2e-3, "none": 2e-3, "entry": 3.2e-4, "sft-reference": 5e-3, "sft-trace": 2e-3, "grpo": 8e-4}
 PROVISIONAL_LR = 5e-3
 HEADLINE_ARMS = ("token", "none", "sft-reference", "sft-trace", "grpo")  # the default command's, seeds 1 and 2
 DEFAULT_SEEDS = "1,2"
@@ -1178,24 +1179,31 @@ def select(args, out, files, train, dev, heldout, dev_scorer, timed):
 
 
 def choose_lrs(selection):
-    """Each family's lr by the protocol's rule: the best dev score at the last step, within 1 point the smaller
-    lr; 'extend' when the best sits at an edge of the grid run so far (the next lr beyond it must run)."""
+    """Each family's lr by the protocol's rule as amended (tests/miniature.md): of the lrs whose dev score at the
+    last step is within 1 point of the best, the one with the highest mean dev score over the checkpoints after
+    step 0 (the area under its dev curve); an exact tie goes to the smaller lr. 'extend' when the winner sits at
+    an edge of the lrs run and the next grid point beyond it (x2.5) lies within EXTEND_LIMIT: it must run too."""
     chosen = {}
     families = sorted({r["family"] for r in selection["runs"].values()})
     for family in families:
-        scores = {}
+        finals, areas = {}, {}
         for r in selection["runs"].values():
             if r["family"] == family and r["arm"] == family:
-                scores.setdefault(r["lr"], []).append(r["curve"][-1][3])
-        if not scores:
+                finals.setdefault(r["lr"], []).append(r["curve"][-1][3])
+                areas.setdefault(r["lr"], []).append(sum(p[3] for p in r["curve"][1:]) / (len(r["curve"]) - 1))
+        if not finals:
             continue
-        mean = {lr: sum(v) / len(v) for lr, v in scores.items()}
-        best = max(mean.values())
-        lr = min(x for x, v in mean.items() if v >= best - 0.01)
-        grid = sorted(mean)
-        at_edge = len(grid) > 1 and lr in (grid[0], grid[-1])  # the protocol: then run the next lr beyond it
-        chosen[family] = {"lr": lr, "dev_avg": mean[lr], "grid": {f"{k:g}": v for k, v in sorted(mean.items())},
-                          "extend": bool(at_edge)}
+        final = {lr: sum(v) / len(v) for lr, v in finals.items()}
+        area = {lr: sum(v) / len(v) for lr, v in areas.items()}
+        best = max(final.values())
+        tied = [lr for lr, v in final.items() if v >= best - 0.01 - 1e-9]
+        lr = max(tied, key=lambda x: (area[x], -x))
+        grid = sorted(final)
+        beyond = lr / 2.5 if lr == grid[0] else lr * 2.5 if lr == grid[-1] else None
+        extend = len(grid) > 1 and beyond is not None and EXTEND_LIMIT[0] * 0.999 <= beyond <= EXTEND_LIMIT[1] * 1.001
+        chosen[family] = {"lr": lr, "dev_avg": final[lr], "dev_area": area[lr],
+                          "grid": {f"{k:g}": v for k, v in sorted(final.items())},
+                          "area": {f"{k:g}": v for k, v in sorted(area.items())}, "extend": bool(extend)}
     return chosen
 
 
@@ -1206,8 +1214,9 @@ def format_selection(selection):
     for name, r in selection["runs"].items():
         lines.append(f"{name:<32}" + "".join(f"{100 * p[3]:>7.1f}" for p in r["curve"]))
     for family, c in selection.get("chosen", {}).items():
-        lines.append(f"chosen: {family} lr {c['lr']:g} (dev {100 * c['dev_avg']:.1f})"
-                     + ("; best at the grid's edge: extend the grid" if c["extend"] else ""))
+        lines.append(f"chosen: {family} lr {c['lr']:g} (dev {100 * c['dev_avg']:.1f} at the last step, "
+                     f"{100 * c['dev_area']:.2f} over the curve)"
+                     + ("; at the edge of the lrs run: run the next one beyond" if c["extend"] else ""))
     return "\n".join(lines)
 
 

@@ -219,6 +219,33 @@ def test_token_efficiency_interpolates_between_checkpoints():
     assert e["token_ratio"] == pytest.approx(3.0) and e["seconds"] == pytest.approx([10.0, 7.5])
 
 
+def test_the_lr_rule_breaks_a_ceiling_by_the_area_under_the_dev_curve():
+    def run(family, lr, *dev):  # a dev curve: step 0 then one checkpoint per 25 steps
+        return {"arm": family, "family": family, "lr": lr, "seed": 1,
+                "curve": [[25 * i, 0, 0.0, v, 0.0] for i, v in enumerate(dev)]}
+
+    runs = [run("a", 2e-3, .5, .90, 1.0, 1.0), run("a", 5e-3, .5, .99, 1.0, .995), run("a", 1.25e-2, .5, 1, .9, .98),
+            run("b", 2e-3, .5, .8, .9), run("b", 5e-3, .5, .8, .9),  # an exact tie: the smaller lr
+            run("c", 8e-4, .5, .7, .8), run("c", 2e-3, .5, .2, .3),  # best at the lowest edge run so far
+            run("d", 3.2e-4, .5, .7, .8), run("d", 8e-4, .5, .2, .3)]  # ... at the extension's limit
+    chosen = miniature.choose_lrs({"runs": {str(i): r for i, r in enumerate(runs)}})
+    # a: 1.25e-2 ends 2 points below the best (1.0) and leaves the band despite its curve; 5e-3's area
+    # (.99 + 1 + .995) / 3 beats 2e-3's (.9 + 1 + 1) / 3 although it ends half a point lower
+    assert chosen["a"]["lr"] == 5e-3 and chosen["a"]["dev_area"] == pytest.approx(2.985 / 3)
+    assert not chosen["a"]["extend"]
+    assert chosen["b"]["lr"] == 2e-3 and chosen["b"]["extend"]  # at the lower edge: 8e-4 must run
+    assert chosen["c"]["lr"] == 8e-4 and chosen["c"]["extend"]  # 3.2e-4 is the last point the rule may add
+    assert chosen["d"]["lr"] == 3.2e-4 and not chosen["d"]["extend"]
+
+
+def test_the_chosen_lrs_are_the_rules_verdict_on_the_committed_selection():
+    selection = json.loads((miniature.DATA / "selection" / "selection.json").read_text())
+    chosen = miniature.choose_lrs(selection)
+    assert {family: c["lr"] for family, c in chosen.items()} == miniature.CHOSEN_LR
+    assert not any(c["extend"] for c in chosen.values())  # no extension the rule asks for is left to run
+    assert set(miniature.FAMILY.values()) == set(miniature.CHOSEN_LR)  # every arm trains at a dev-chosen lr
+
+
 def test_grpo_advantages_and_loss_against_float64_oracles(task):
     adv = miniature.group_advantages([1, 0, 0, 0, 1, 1, 1, 1], 4)
     # group 1: mean 0.25, population std sqrt(0.1875) = 0.4330127; group 2: all equal -> 0
