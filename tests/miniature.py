@@ -43,6 +43,10 @@ DATA = TESTS / "data" / "miniature"
 PRETRAIN_SEEDS = (1, 2, 3)
 SHIPPED_MODELS = {1: DATA / "model", 2: DATA / "model-p2", 3: DATA / "model-p3"}
 SHIPPED_MODEL = SHIPPED_MODELS[1]
+# the style-drift model (tests/miniature.md, part 3): pre-training seed 1, its teacher shown the reference answers in
+# the reference's style (the boxed answer alone) in DRIFT_TERSE of its teacher-format examples
+DRIFT_MODEL, DRIFT_TERSE = DATA / "model-drift", 0.3
+MODELS = {**SHIPPED_MODELS, "drift": DRIFT_MODEL}
 TASK_FILE = "miniature.json"  # next to each model: its split, its pre-training, its acceptance figures
 
 # -----------------------------------------------------------------------------
@@ -383,7 +387,9 @@ def acceptance_figures(model, tok, dev):
         greedy_texts[fmt] = generate(model, tok, p)
         figures[f"{fmt}_greedy"] = sum(correct(greedy_texts[fmt])) / len(dev)
     for fmt in ("student", "teacher"):
-        figures[f"{fmt}_sampled"] = sum(correct(generate(model, tok, prompts[fmt], sample=True))) / len(dev)
+        sampled = generate(model, tok, prompts[fmt], sample=True)
+        figures[f"{fmt}_sampled"] = sum(correct(sampled)) / len(dev)
+        figures[f"{fmt}_sampled_no_scratchpad"] = sum(not has_scratchpad(t) for t in sampled) / len(dev)
     wrong = [not c for c in correct(greedy_texts["student"])]
     figures["student_greedy_errors"] = sum(wrong)
     figures["student_greedy_errors_where_misconception_applies"] = sum(
@@ -411,8 +417,21 @@ ARMS = {
     "control": ("opsd", ("none", 0.05, "no_solution")),
 }
 OPSD_ARMS = [a for a, (kind, _) in ARMS.items() if kind == "opsd" and a not in ("wrong", "control")]
-# the lr family of each arm (tests/miniature.md, "Learning rates")
+# the style-drift arms, on the drift model; "best": the clip's best tau in the reasoning miniature's sweep (best_tau)
+DRIFT_ARMS = {
+    "drift-token": ("opsd", ("token", 0.05, "solution")),
+    "drift-none": ("opsd", ("none", 0.05, "solution")),
+    "drift-entry": ("opsd", ("entry", 0.05, "solution")),
+    "drift-token@best": ("opsd", ("token", "best", "solution")),
+    "drift-entry@best": ("opsd", ("entry", "best", "solution")),
+    "drift-skip1": ("opsd", ("none", 0.05, "solution", "--skip-first-tokens", "1")),  # the style's one position
+    "drift-sft-trace": ("sft", "trace"),
+}
+DRIFT_OPSD_ARMS = [a for a, (kind, _) in DRIFT_ARMS.items() if kind == "opsd"]
+ALL_ARMS = {**ARMS, **DRIFT_ARMS}
+# the lr family of each arm (tests/miniature.md, "Learning rates"); a drift arm trains at its clip's family's lr
 FAMILY = {arm: arm.split("@")[0] if arm not in ("wrong", "control") else "none" for arm in ARMS}
+FAMILY.update({arm: {"drift-skip1": "none"}.get(arm, arm.removeprefix("drift-").split("@")[0]) for arm in DRIFT_ARMS})
 LR_GRID = (2e-3, 5e-3, 1.25e-2)
 EXTEND_LIMIT = (LR_GRID[0] / 2.5 ** 2, LR_GRID[-1] * 2.5 ** 2)  # at most two grid points beyond either edge
 # each family's lr as chosen on dev (selection.json in tests/data/miniature/selection); a family not yet chosen
@@ -465,11 +484,31 @@ def opsd_has_student_prompt():
 
 def opsd_command(model_dir, train_file, arm, seed, steps, lr, out_dir, save_every=0):
     """opsd.py's command line for one arm and seed."""
-    clip, tau, context = ARMS[arm][1]
+    clip, tau, context, *extra = ALL_ARMS[arm][1]
+    tau = best_tau(clip) if tau == "best" else tau
     return [sys.executable, str(ROOT / "opsd.py"), "--model", str(model_dir), "--dataset", str(train_file),
             "--clip", clip, "--tau", str(tau), "--context-column", context, "--max-steps", str(steps),
             "--lr", str(lr), "--seed", str(seed), "--save-every", str(save_every), "--output-dir", str(out_dir),
-            "--warmup-steps", str(warmup_for(steps)), *OPSD_FLAGS, *STUDENT_FLAGS]
+            "--warmup-steps", str(warmup_for(steps)), *OPSD_FLAGS, *STUDENT_FLAGS, *extra]
+
+
+RESULTS = DATA / "results" / "results.json"  # the reasoning miniature's full run, committed
+
+
+def best_tau(clip, results=RESULTS):
+    """The clip's best tau in the reasoning miniature's sweep (rule fixed before that sweep was seen, tests/
+    miniature.md part 3): the highest mean held-out primary score over seeds 1-3 among tau 0.005, 0.05, 0.5; a tie
+    goes to 0.05, the default."""
+    if not Path(results).is_file():
+        raise SystemExit(f"the @best drift arms need the reasoning miniature's results ({results}): run --full first.")
+    r = json.loads(Path(results).read_text())
+    means = {}
+    for tau in TAU_GRID:
+        arm = clip if tau == 0.05 else f"{clip}@{tau:g}"
+        scores = [v for seed, v in zip(r["seeds"][arm], r["heldout_avg"][arm]) if seed in (1, 2, 3)]
+        means[tau] = sum(scores) / len(scores)
+    best = max(means.values())
+    return 0.05 if means[0.05] == best else max(t for t, m in means.items() if m == best)
 
 
 def run_logged(cmd, log_path, env=None):
@@ -605,7 +644,7 @@ def train_arm(model_dir, files, train, arm, seed, steps, lr, out_dir, resume, sa
     resumed opsd.py run continues from its last checkpoint; an unfinished SFT or GRPO run starts over."""
     if resume and (out_dir / "final").is_dir():
         return out_dir / "final", None
-    kind, setting = ARMS[arm]
+    kind, setting = ALL_ARMS[arm]
     t0 = time.perf_counter()
     if kind == "sft":
         shutil.rmtree(out_dir, ignore_errors=True)
@@ -710,10 +749,10 @@ class DevScorer:
 
 
 def curve(scorer, dev, run, steps, every, base_score):
-    """[[step, sampled tokens so far, seconds so far, dev avg, no-scratchpad share]] from step 0 (the base model)
-    to `steps`, one point every `every` steps, from a run's checkpoints and metrics.jsonl."""
+    """[[step, sampled tokens so far, seconds so far, dev avg, no-scratchpad share, mean answer tokens]] from step 0
+    (the base model) to `steps`, one point every `every` steps, from a run's checkpoints and metrics.jsonl."""
     records = {r["step"]: r for r in read_metrics(run)}
-    points = [[0, 0, 0.0, base_score["avg"], base_score["no_scratchpad"]]]
+    points = [[0, 0, 0.0, base_score["avg"], base_score["no_scratchpad"], base_score["tokens_mean"]]]
     tokens = seconds = 0.0
     for step in range(1, steps + 1):
         r = records[step]
@@ -722,7 +761,7 @@ def curve(scorer, dev, run, steps, every, base_score):
         if step % every == 0 or step == steps:
             adapter = run / ("final" if step == steps else f"checkpoint-{step}")
             s = scorer.score(dev, adapter)
-            points.append([step, round(tokens), round(seconds, 1), s["avg"], s["no_scratchpad"]])
+            points.append([step, round(tokens), round(seconds, 1), s["avg"], s["no_scratchpad"], s["tokens_mean"]])
     return points
 
 
@@ -767,7 +806,7 @@ def token_efficiency(curves, a, b):
     target = min(curves[a][-1][3], curves[b][-1][3])
 
     def reach(points):
-        for (s0, t0, w0, acc0, _), (s1, t1, w1, acc1, _) in zip(points, points[1:]):
+        for (s0, t0, w0, acc0, *_), (s1, t1, w1, acc1, *_) in zip(points, points[1:]):
             if acc1 >= target > acc0 or (acc0 >= target and s0 == 0):
                 f = 1.0 if acc1 == acc0 else (target - acc0) / (acc1 - acc0)
                 return t0 + f * (t1 - t0), w0 + f * (w1 - w0)
@@ -781,7 +820,8 @@ def token_efficiency(curves, a, b):
 def format_table(results, key="heldout_avg", title="held-out, in the training format"):
     scores, stats = results[key], results["stats"][key]
     w = max(14, *(len(arm) + 1 for arm in results["arms"]))
-    lines = [f"{title}: eval.py avg@{results['n']} in % ({results['problems']} problems); 95% intervals over seeds",
+    what = "share of eval.py's samples" if key == "no_scratchpad" else f"eval.py avg@{results['n']}"
+    lines = [f"{title}: {what} in % ({results['problems']} problems); 95% intervals over seeds",
              f"{'arm':<{w}}{'seeds':>6}{'mean':>7}{'95% interval':>15}{'vs base':>17}   per seed",
              f"{'base':<{w}}{'':>6}{100 * scores['base']:>7.1f}"]
     for arm in results["arms"]:
@@ -801,6 +841,9 @@ def format_table(results, key="heldout_avg", title="held-out, in the training fo
 COLORS = {"token": "tab:blue", "none": "tab:green", "entry": "tab:orange", "token@0.005": "tab:cyan",
           "token@0.5": "navy", "entry@0.005": "gold", "entry@0.5": "tab:olive", "sft-reference": "tab:red",
           "sft-trace": "tab:purple", "grpo": "black", "wrong": "tab:brown", "control": "tab:gray"}
+COLORS.update({"drift-token": "tab:blue", "drift-none": "tab:green", "drift-entry": "tab:orange",
+               "drift-token@best": "navy", "drift-entry@best": "tab:olive", "drift-skip1": "tab:pink",
+               "drift-sft-trace": "tab:purple"})
 
 
 def plot(results, path):
@@ -851,6 +894,31 @@ def plot(results, path):
         ax.set_axis_off()
     if results.get("quick"):
         fig.suptitle("quick variant (--quick): one seed, a short run; not the experiment")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def plot_drift(results, path):
+    """What drift does over training (seed 1 of each drift arm, dev, every 25 steps): in-format accuracy, mean
+    answer length, the share of answers without a scratchpad."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 3, figsize=(16, 4.4))
+    panels = ((axes[0], 3, f"dev avg@{EVAL_N}, training format (%)"), (axes[1], 5, "mean answer length (tokens)"),
+              (axes[2], 4, "answers without a scratchpad (%)"))
+    for ax, column, label in panels:
+        for arm, points in results["dev_curves"].items():
+            scale = 1 if column == 5 else 100
+            ax.plot([p[0] for p in points], [scale * p[column] for p in points], marker="o", ms=3,
+                    color=COLORS.get(arm, "k"), label=arm)
+        ax.set_xlabel("optimizer step")
+        ax.set_ylabel(label)
+    axes[0].legend(fontsize=8)
+    fig.suptitle("style drift: the teacher shown the reference answers in its style part of the time (seed 1, dev)")
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
@@ -983,6 +1051,9 @@ def parse_args(argv=None):
     p.add_argument("--quick", action="store_true",
                    help=f"the test suite's check: {QUICK_ARM}, seed 1, {QUICK_STEPS} steps, held-out avg@1")
     p.add_argument("--full", action="store_true", help="the whole protocol of tests/miniature.md (resumable)")
+    p.add_argument("--drift", action="store_true",
+                   help="the style-drift arms on the drift model, seeds 1-3 (--arms, --seeds select among them); with "
+                        "--reference-step: the drift model's step-1 rollouts")
     p.add_argument("--select", action="store_true",
                    help="dev lr selection: each arm at each --lrs, a dev score every --curve-every steps")
     p.add_argument("--lrs", default=",".join(f"{lr:g}" for lr in LR_GRID), help="with --select: the lr grid")
@@ -1006,24 +1077,33 @@ def parse_args(argv=None):
     args = p.parse_args(argv)
     if args.reference_step or args.grpo_job:
         return args
+    arms = [a.strip() for a in args.arms.split(",")] if args.arms else []
+    if arms and all(a in DRIFT_ARMS for a in arms):
+        args.drift = True  # drift arms run on the drift model
+    elif args.drift and arms:
+        p.error(f"--drift runs the drift arms ({', '.join(DRIFT_ARMS)}) on the drift model; got {args.arms!r}.")
+    elif any(a in DRIFT_ARMS for a in arms):
+        p.error("--arms mixes drift arms (on the drift model) with the others: run them apart.")
     if not args.output_dir:
         p.error("--output-dir is required.")
     if args.resume and args.overwrite:
         p.error("--resume continues the run in --output-dir, --overwrite clears it: pass one.")
-    if sum((args.quick, args.full, args.select, args.pretrain)) > 1:
-        p.error("--quick, --full, --select and --pretrain are separate runs: pass one.")
+    if sum((args.quick, args.full, args.select, args.pretrain, args.drift)) > 1:
+        p.error("--quick, --full, --select, --pretrain and --drift are separate runs: pass one.")
     if args.full and (args.arms or args.seeds):
         p.error("--full chooses every arm and its seeds: leave out --arms and --seeds.")
     if not 0 <= args.teacher_terse < 1:
         p.error("--teacher-terse must lie in [0, 1).")
     if args.pretrain:
         return args
-    seeds = [s.strip() for s in (args.seeds or ("1" if args.quick or args.select else DEFAULT_SEEDS)).split(",")]
+    default_seeds = "1" if args.quick or args.select else "1,2,3" if args.drift else DEFAULT_SEEDS
+    seeds = [s.strip() for s in (args.seeds or default_seeds).split(",")]
     if not all(s.isdigit() for s in seeds) or len(set(seeds)) != len(seeds):
         p.error(f"--seeds takes distinct non-negative integers separated by commas, got {args.seeds!r}.")
-    arms = [a.strip() for a in (args.arms or (QUICK_ARM if args.quick else ",".join(HEADLINE_ARMS))).split(",")]
-    if any(a not in ARMS for a in arms) or len(set(arms)) != len(arms):
-        p.error(f"--arms takes distinct arms from {', '.join(ARMS)}, got {args.arms!r}.")
+    default_arms = QUICK_ARM if args.quick else ",".join(DRIFT_ARMS if args.drift else HEADLINE_ARMS)
+    arms = [a.strip() for a in (args.arms or default_arms).split(",")]
+    if any(a not in ALL_ARMS for a in arms) or len(set(arms)) != len(arms):
+        p.error(f"--arms takes distinct arms from {', '.join(ALL_ARMS)}, got {args.arms!r}.")
     try:
         args.lrs = [float(x) for x in args.lrs.split(",")]
     except ValueError:
@@ -1036,15 +1116,19 @@ def parse_args(argv=None):
     args.n = args.n or (1 if args.quick else EVAL_N)
     if min(args.steps, args.n, args.curve_every) < 1 or min(args.lrs) <= 0:
         p.error("--steps, --n, --curve-every and --lrs must be positive.")
-    missing = [str(SHIPPED_MODELS[s]) for s in ([*PRETRAIN_SEEDS] if args.full else [args.start_model])
-               if not (SHIPPED_MODELS[s] / "config.json").is_file()]
+    if args.drift:
+        args.start_model = "drift"
+    missing = [str(MODELS[s]) for s in ([*PRETRAIN_SEEDS] if args.full else [args.start_model])
+               if not (MODELS[s] / "config.json").is_file()]
     if missing:
-        p.error(f"no shipped model in {', '.join(missing)}: pre-train one with --pretrain.")
+        p.error(f"no shipped model in {', '.join(missing)}: pre-train one with --pretrain"
+                + (f" --teacher-terse {DRIFT_TERSE}." if args.drift else "."))
     return args
 
 
 # what a resumed run must share with the run it continues
 RESULT_FLAGS = ("arms", "seeds", "quick", "full", "select", "lrs", "steps", "curve_every", "n", "start_model")
+# (--drift is start_model "drift")
 SELECT_FLAGS = ("select", "steps", "curve_every", "n", "start_model")
 
 
@@ -1077,7 +1161,7 @@ def owned_files(out):
 
 
 def load_starting_model(seed, train, heldout):
-    model_dir = SHIPPED_MODELS[seed]
+    model_dir = MODELS[seed]
     info = json.loads((model_dir / TASK_FILE).read_text())
     if (info.get("train_digest"), info.get("heldout_digest")) != (split_digest(train), split_digest(heldout)):
         raise SystemExit(f"{model_dir} was pre-trained on another split of the task: pre-train it again.")
@@ -1095,7 +1179,7 @@ def main(argv=None):
         return train_grpo(Path(job["model_dir"]), Path(job["train_file"]), job["seed"], job["steps"], job["lr"],
                           Path(job["out_dir"]), job["save_every"])
     if args.reference_step:
-        return write_reference_step(args.reference_step)
+        return write_reference_step(args.reference_step, DRIFT_MODEL if args.drift else SHIPPED_MODEL)
     train, dev, heldout = make_task()
     out = Path(args.output_dir)
     if args.pretrain:
@@ -1153,7 +1237,7 @@ def select(args, out, files, train, dev, heldout, dev_scorer, timed):
         "model": str(model_dir), "steps": args.steps, "every": args.curve_every, "runs": {}}
     base = selection.setdefault("base", None) or dev_scorer(model_dir).score(dev)
     selection["base"] = base
-    tag = f"p{args.start_model}"
+    tag = model_tag(args.start_model)
     for arm in args.arms:
         for lr in args.lrs:
             for seed in args.seeds[arm]:
@@ -1245,17 +1329,22 @@ def plot_selection(selection, path):
     plt.close(fig)
 
 
-def best_opsd_arm(scores):
-    ran = [a for a in OPSD_ARMS if a in scores and scores[a]]
+def model_tag(key):
+    return "drift" if key == "drift" else f"p{key}"
+
+
+def best_opsd_arm(scores, candidates=OPSD_ARMS):
+    ran = [a for a in candidates if a in scores and scores[a]]
     return max(ran, key=lambda a: sum(scores[a]) / len(scores[a])) if ran else None
 
 
 def experiment(args, out, files, train, dev, heldout, dev_scorer, timed, timings, t_start):
     """The arms, seeds and starting models of the run: train, score with eval.py in both formats, dev curves."""
     primary_model = args.start_model if not args.full else PRETRAIN_SEEDS[0]
-    save_every = 25 if args.full else 0  # checkpoints make a long run resumable
-    curve_arms = ("token", "none", "entry", "grpo")
+    save_every = 25 if args.full or args.drift else 0  # checkpoints make a long run resumable
+    curve_arms = ("token", "none", "entry", "grpo", *DRIFT_ARMS)
     results = {"n": args.n, "steps": args.steps, "problems": len(heldout), "quick": args.quick, "full": args.full,
+               "drift": args.drift, "model": model_tag(primary_model),
                "arms": args.arms, "seeds": args.seeds, "lr": {arm: lr_of(arm) for arm in args.arms},
                "lr_chosen_on_dev": {arm: FAMILY[arm] in CHOSEN_LR for arm in args.arms},
                "dev_curves": {}, "by_model": {}}
@@ -1279,7 +1368,7 @@ def experiment(args, out, files, train, dev, heldout, dev_scorer, timed, timings
             for seed in seeds[arm]:
                 name = run_name(tag, arm, seed)
                 run = out / name
-                with_curve = (arm in curve_arms and seed == seeds[arm][0] and tag == f"p{primary_model}"
+                with_curve = (arm in curve_arms and seed == seeds[arm][0] and tag == model_tag(primary_model)
                               and not args.quick)
                 adapter, seconds = train_arm(model_dir, files, train, arm, seed, args.steps, lr_of(arm), run,
                                              args.resume, save_every=args.curve_every if with_curve else save_every)
@@ -1305,10 +1394,10 @@ def experiment(args, out, files, train, dev, heldout, dev_scorer, timed, timings
                     results["dev_curves"][arm] = points
         return block
 
-    primary = score_model(f"p{primary_model}", SHIPPED_MODELS[primary_model], args.arms, args.seeds)
+    primary = score_model(model_tag(primary_model), MODELS[primary_model], args.arms, args.seeds)
     results.update({k: primary[k] for k in ("heldout_avg", "transfer_avg", "no_scratchpad", "tokens_mean")})
     results["base_stderr"] = {"primary": primary["base_stderr_primary"], "transfer": primary["base_stderr_transfer"]}
-    results["pretrain"] = json.loads((SHIPPED_MODELS[primary_model] / TASK_FILE).read_text())
+    results["pretrain"] = json.loads((MODELS[primary_model] / TASK_FILE).read_text())
     if args.full:
         best = best_opsd_arm(results["heldout_avg"])
         headline = [best, "sft-reference", "grpo"]
@@ -1332,22 +1421,30 @@ def experiment(args, out, files, train, dev, heldout, dev_scorer, timed, timings
     results["stats"] = {key: {arm: summarize(results[key][arm], results[key]["base"],
                                              results["base_stderr"]["primary" if key == "heldout_avg" else "transfer"])
                               for arm in args.arms} for key in ("heldout_avg", "transfer_avg")}
-    best = best_opsd_arm(results["heldout_avg"])
+    share, samples = results["no_scratchpad"]["base"], len(heldout) * args.n  # the base share's binomial error
+    results["stats"]["no_scratchpad"] = {arm: summarize(results["no_scratchpad"][arm], share,
+                                                        (share * (1 - share) / samples) ** 0.5) for arm in args.arms}
+    best = best_opsd_arm(results["heldout_avg"], DRIFT_OPSD_ARMS if args.drift else OPSD_ARMS)
     results["best_opsd_arm"] = best
     if best:
         results["paired_vs_best_opsd"] = {
             key: {arm: paired(results[key][best], results[key][arm], args.seeds[best], args.seeds[arm])
                   for arm in args.arms if arm != best} for key in ("heldout_avg", "transfer_avg")}
-        results["token_efficiency"] = token_efficiency(results["dev_curves"], best, "grpo")
-    step1 = DATA / "step1_kl.json"
-    results["step1_kl"] = json.loads(step1.read_text()) if step1.is_file() and primary_model == 1 else None
+        results["token_efficiency"] = None if args.drift else token_efficiency(results["dev_curves"], best, "grpo")
+    if args.drift:
+        results["best_tau"] = {clip: best_tau(clip) for clip in ("token", "entry")}
+    step1 = DATA / ("drift" if args.drift else "") / "step1_kl.json"
+    results["step1_kl"] = json.loads(step1.read_text()) if step1.is_file() and primary_model in (1, "drift") else None
     results["timings"], results["seconds"] = timings, round(time.perf_counter() - t_start, 1)
     results["seconds_all_pieces"] = round(sum(timings.values()), 1)
     results["resumed"] = args.resume
     (out / "results.json").write_text(json.dumps(results, indent=2) + "\n")
     plot(results, out / "miniature.png")
+    if args.drift:
+        plot_drift(results, out / "drift.png")
     print(format_table(results))
     print(format_table(results, "transfer_avg", "held-out, transfer (eval.py's default prompt)"))
+    print(format_table(results, "no_scratchpad", "held-out answers without a scratchpad"))
     for tag, block in results["by_model"].items():
         print(format_table({**block, "arms": list(block["seeds"]), "n": args.n, "problems": len(heldout)},
                            title=f"starting model {tag}, held-out, in the training format"))
