@@ -219,6 +219,51 @@ def test_token_efficiency_interpolates_between_checkpoints():
     assert e["token_ratio"] == pytest.approx(3.0) and e["seconds"] == pytest.approx([10.0, 7.5])
 
 
+def test_token_efficiency_reads_curves_with_answer_lengths():
+    # the drift curves carry a sixth figure (mean answer tokens): the interpolation must not depend on it
+    five = {"a": [[0, 0, 0.0, 0.2, 0], [25, 1000, 10.0, 0.6, 0]], "b": [[0, 0, 0.0, 0.2, 0], [25, 3000, 9.0, 0.6, 0]]}
+    six = {k: [p + [28.0] for p in v] for k, v in five.items()}
+    assert miniature.token_efficiency(six, "a", "b") == miniature.token_efficiency(five, "a", "b")
+    assert miniature.token_efficiency(six, "a", "b")["token_ratio"] == pytest.approx(3.0)
+
+
+def test_the_best_tau_rule_on_hand_made_sweeps(tmp_path):
+    def sweep(token, token_small, token_large):  # held-out scores of seeds 1-5 (plain) and 1-3 (the sweep)
+        results = {"seeds": {"token": [1, 2, 3, 4, 5], "token@0.005": [1, 2, 3], "token@0.5": [1, 2, 3]},
+                   "heldout_avg": {"token": token, "token@0.005": token_small, "token@0.5": token_large}}
+        path = tmp_path / "results.json"
+        path.write_text(json.dumps(results))
+        return miniature.best_tau("token", path)
+
+    # seeds 4 and 5 of the plain arm do not count: over seeds 1-3 it is 0.9 (over all five 0.94), below 0.93
+    assert sweep([0.9, 0.9, 0.9, 1.0, 1.0], [0.93, 0.93, 0.93], [0.5, 0.5, 0.5]) == 0.005
+    assert sweep([1.0, 1.0, 1.0, 0.0, 0.0], [1.0, 1.0, 1.0], [1.0, 1.0, 1.0]) == 0.05  # a tie: the default
+    assert sweep([0.2, 0.2, 0.2, 0.2, 0.2], [0.6, 0.6, 0.6], [0.6, 0.6, 0.6]) == 0.5  # a tie of the others: larger
+    assert sweep([0.2, 0.2, 0.2, 0.2, 0.2], [0.1, 0.1, 0.1], [0.3, 0.3, 0.3]) == 0.5
+    with pytest.raises(SystemExit, match="run --full first"):
+        miniature.best_tau("token", tmp_path / "none.json")
+
+
+def test_the_drift_arms_command_lines(tmp_path, monkeypatch):
+    monkeypatch.setattr(miniature, "best_tau", lambda clip: {"token": 0.5, "entry": 0.005}[clip])
+
+    def flags(arm):
+        cmd = miniature.opsd_command(miniature.DRIFT_MODEL, tmp_path / "t.jsonl", arm, 1, 150, 2e-3, tmp_path / arm)
+        return {k: v for k, v in zip(cmd, cmd[1:]) if k.startswith("--")}
+
+    assert flags("drift-token@best")["--tau"] == "0.5" and flags("drift-token@best")["--clip"] == "token"
+    assert flags("drift-entry@best")["--tau"] == "0.005" and flags("drift-entry@best")["--clip"] == "entry"
+    assert flags("drift-skip1")["--skip-first-tokens"] == "1" and flags("drift-skip1")["--clip"] == "none"
+    assert "--skip-first-tokens" not in flags("drift-none") and flags("drift-entry")["--tau"] == "0.05"
+    # every drift arm trains at its clip's dev-chosen lr; the student prompt is the training format's
+    assert miniature.lr_of("drift-token@best") == miniature.CHOSEN_LR["token"]
+    assert miniature.lr_of("drift-skip1") == miniature.lr_of("drift-none") == miniature.CHOSEN_LR["none"]
+    assert miniature.lr_of("drift-sft-trace") == miniature.CHOSEN_LR["sft-trace"]
+    cmd = miniature.opsd_command(miniature.DRIFT_MODEL, tmp_path / "t.jsonl", "drift-token", 1, 150, 2e-3, tmp_path)
+    assert flags("drift-token")["--student-prompt"] == "eval" and "--no-student-thinking" in cmd
+    assert flags("drift-token")["--model"] == str(miniature.DRIFT_MODEL)
+
+
 def test_the_lr_rule_breaks_a_ceiling_by_the_area_under_the_dev_curve():
     def run(family, lr, *dev):  # a dev curve: step 0 then one checkpoint per 25 steps
         return {"arm": family, "family": family, "lr": lr, "seed": 1,
@@ -358,6 +403,9 @@ def test_reference_step_figures():
     (["--arms", "token"], "--output-dir"),
     (["--output-dir", "x", "--resume", "--overwrite"], "--resume"),
     (["--output-dir", "x", "--quick", "--select"], "--select"),
+    (["--output-dir", "x", "--arms", "token,drift-token"], "mixes drift arms"),
+    (["--output-dir", "x", "--drift", "--arms", "none"], "--drift runs the drift arms"),
+    (["--output-dir", "x", "--drift", "--quick"], "separate runs"),
 ])
 def test_bad_flags_are_refused_in_one_sentence(argv, words):
     proc = subprocess.run([sys.executable, str(ROOT / "tests" / "miniature.py"), *argv], capture_output=True,
