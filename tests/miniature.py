@@ -1155,9 +1155,9 @@ def this_machine():
 
 
 def owned_files(out):
-    names = ["data", "results.json", "miniature.png", "settings.json", "timings.json", "selection.json",
+    names = ["data", "results.json", "miniature.png", "drift.png", "settings.json", "timings.json", "selection.json",
              "selection.txt", "selection.png"]
-    return [out / n for n in names if (out / n).exists()] + sorted(p for p in out.glob("p[0-9]-*"))
+    return [out / n for n in names if (out / n).exists()] + sorted(p for p in out.glob("p[0-9d]-*"))
 
 
 def load_starting_model(seed, train, heldout):
@@ -1330,7 +1330,8 @@ def plot_selection(selection, path):
 
 
 def model_tag(key):
-    return "drift" if key == "drift" else f"p{key}"
+    """The run-name prefix of a starting model: p1, p2, p3; pd for the drift model."""
+    return "pd" if key == "drift" else f"p{key}"
 
 
 def best_opsd_arm(scores, candidates=OPSD_ARMS):
