@@ -14,15 +14,11 @@ whose prompt also holds a reference solution. Each optimizer step:
      full-vocabulary forward KL at every answer position; only LoRA weights train,
   4. the merged LoRA weights are pushed into the running vLLM engine in place, and read back.
 
-Departures from the released recipe (README.md's section of that name says what each fixes):
-  1. Rows are [prompt | answer | pads], positions from the attention mask: each answer token at the position vLLM
-     sampled it at, and no attention row without a key.  2. Prompts reach vLLM as token ids, never re-encoded.
-  3. LoRA merged out of place for vLLM: the base weights (the fixed teacher) never change.  4. Softmax and KL in
-     float32, chunked, normalised by the step's token count over micro-batches and ranks.  5. A cosine LR schedule;
-     `--clip token` beside the released recipe's `--clip entry` (the default).
-
-It reads top to bottom: helpers; part 1, the method, from prompts to one optimizer step; part 2, the run: main()
-and what it calls, in that order; part 3, the guards main() reaches through a few named checks.
+Departures from the released recipe (README.md says what each fixes): rows are [prompt | answer | pads] with
+positions from the attention mask (no attention row without a key); prompts reach vLLM as token ids; LoRA merged out
+of place, so the base weights (the fixed teacher) never change; softmax and KL in float32, chunked, normalised by the
+step's token count over micro-batches and ranks; a cosine LR schedule; `--clip token` beside the recipe's `entry`.
+Read top to bottom: helpers; part 1, the method; part 2, the run (main() and what it calls); part 3, the guards.
 """
 
 import argparse
@@ -73,12 +69,6 @@ def all_reduce(tensor, op=None):
         dist.all_reduce(tensor, op=op or dist.ReduceOp.SUM)
     return tensor
 
-def fail_if_any_rank(problem, device):
-    """Stop every rank when one rank found a problem (None: none); the lowest such rank says it."""
-    first = int(all_reduce(torch.tensor(RANK if problem else WORLD_SIZE, device=device), dist.ReduceOp.MIN))
-    if first < WORLD_SIZE:
-        fail(problem, speaker=first)
-
 def barrier():
     if dist.is_initialized():
         dist.barrier()
@@ -88,7 +78,7 @@ def barrier():
 # =============================================================================
 
 # -----------------------------------------------------------------------------
-# Prompts: the released recipe's strings, through the chat template, rendered once to token ids
+# Prompts and batches: the released recipe's strings, rendered once to token ids; rows [prompt | completion | pads]
 
 INSTRUCTION = "Please reason step by step, and put your final answer within \\boxed{}."
 TRANSITION = (
@@ -103,8 +93,7 @@ def eval_message(problem):
     return f"{problem}\n\n{INSTRUCTION}"
 
 def student_message(problem, prompt="recipe"):
-    """The released recipe's student message, or (--student-prompt eval) the evaluation's own prompt, so that the
-    student trains in the format it is scored in."""
+    """The recipe's student message, or (--student-prompt eval) eval.py's: the student trains as it is scored."""
     return eval_message(problem) if prompt == "eval" else f"Problem: {problem}\n\n{INSTRUCTION}"
 
 def teacher_message(problem, context):
@@ -141,15 +130,32 @@ def step_indices(step, prompts_per_step, num_prompts, seed):
         indices.append(perms[epoch][i])
     return indices
 
+def build_batch(prompts, completions, pad_id, device):
+    """Model inputs for one micro-batch, and the mask of completion tokens (B, T); positions from the attention mask,
+    each token at the position vLLM sampled it at. Pads go last: a left pad is a query row with every key masked, for
+    which some CUDA attention kernels return NaN, spread to real tokens by the next layer (0 x NaN). The masks select
+    completion tokens row after row, so student and teacher batches select alike."""
+    T = max(len(p) + len(c) for p, c in zip(prompts, completions))
+    input_ids = torch.full((len(prompts), T), pad_id, dtype=torch.long)
+    attention_mask = torch.zeros_like(input_ids)
+    completion_mask = torch.zeros_like(input_ids, dtype=torch.bool)
+    for row, (prompt, completion) in enumerate(zip(prompts, completions)):
+        P, L = len(prompt), len(completion)
+        input_ids[row, :P + L] = torch.tensor(prompt + completion)
+        attention_mask[row, :P + L] = 1
+        completion_mask[row, P:P + L] = True
+    position_ids = attention_mask.cumsum(-1) - 1  # (B, T) 0 .. P + L - 1 on real tokens, then constant on pads
+    inputs = dict(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids)
+    return {k: v.to(device) for k, v in inputs.items()}, completion_mask.to(device)
+
 # -----------------------------------------------------------------------------
 # LoRA: y = W x + (alpha / r) B A x on every attention and MLP projection, hand-rolled
 
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 class LoRALinear(nn.Module):
-    """A frozen linear layer plus a trainable low-rank update. `weight` and `bias` are the wrapped layer's own
-    tensors under the same names, so parameter names (the names vLLM expects) do not change. A and B are float32
-    even in a bf16 model: updates of lr 5e-6 would round away in bf16."""
+    """A frozen linear layer plus a trainable low-rank update; `weight` and `bias` keep their names (vLLM's). A and B
+    are float32 even in a bf16 model: updates of lr 5e-6 would round away in bf16."""
 
     def __init__(self, base: nn.Linear, r: int, alpha: float, generator: torch.Generator):
         super().__init__()
@@ -173,9 +179,8 @@ class LoRALinear(nn.Module):
         return (self.weight.float() + self.scale * (self.lora_B @ self.lora_A)).to(self.weight.dtype)
 
 def add_lora(model, r, alpha, seed=0, targets=LORA_TARGETS):
-    """Wrap every nn.Linear child named in `targets`, freeze all else; return the LoRA parameters. The A
-    matrices come from one CPU generator seeded with `seed`, in module order, whatever the device.
-    Every target must exist: a model whose projections are named or fused otherwise would train only part."""
+    """Wrap every nn.Linear child named in `targets` (each must exist, or only part would train), freeze all else;
+    return the LoRA parameters. The A matrices come from one CPU generator seeded with `seed`, in module order."""
     linear_names = {name.rsplit(".", 1)[-1] for name, m in model.named_modules() if isinstance(m, nn.Linear)}
     missing = [t for t in targets if t not in linear_names]
     if missing:
@@ -195,33 +200,9 @@ def lora_layers(model):
 
 @torch.no_grad()
 def merged_weights(model):
-    """Yield (HF parameter name, merged weight) per LoRA layer, ready to push into vLLM. A generator:
-    a push holds one merged matrix at a time, never a second copy of the model."""
+    """(HF parameter name, merged weight) per LoRA layer, one at a time: a push never holds a second model copy."""
     for name, m in lora_layers(model).items():
         yield f"{name}.weight", m.merged_weight()
-
-# -----------------------------------------------------------------------------
-# Batches: [prompt | completion | pads] per row, the prompt flush against its completion
-
-def build_batch(prompts, completions, pad_id, device):
-    """Model inputs for one micro-batch, and the mask of completion tokens (B, T). Each row starts at column 0 and is
-    padded only at its end. Positions come from the attention mask (cumsum - 1): each token sits at the position
-    vLLM sampled it at. Why pads go last: a left pad would be a query row whose every key is masked, for which some
-    CUDA attention kernels return NaN, and the next layer spreads it to real tokens (0 x NaN); here every query row
-    sees at least itself, and no real token sees a pad (pads come after it). The completion columns differ per row;
-    a completion's tokens are selected in order, row after row, so student and teacher batches select alike."""
-    T = max(len(p) + len(c) for p, c in zip(prompts, completions))
-    input_ids = torch.full((len(prompts), T), pad_id, dtype=torch.long)
-    attention_mask = torch.zeros_like(input_ids)
-    completion_mask = torch.zeros_like(input_ids, dtype=torch.bool)
-    for row, (prompt, completion) in enumerate(zip(prompts, completions)):
-        P, L = len(prompt), len(completion)
-        input_ids[row, :P + L] = torch.tensor(prompt + completion)
-        attention_mask[row, :P + L] = 1
-        completion_mask[row, P:P + L] = True
-    position_ids = attention_mask.cumsum(-1) - 1  # (B, T) 0 .. P + L - 1 on real tokens, then constant on pads
-    inputs = dict(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids)
-    return {k: v.to(device) for k, v in inputs.items()}, completion_mask.to(device)
 
 # -----------------------------------------------------------------------------
 # Rollout: one vLLM engine per rank, sampling from token ids; weights pushed in place and read back
@@ -248,9 +229,8 @@ def start_engine(args, rank, world_size, device):
                distributed_executor_backend="external_launcher" if world_size > 1 else None, **extra)
 
 def sample(llm, prompts, seeds, args):
-    """Completions (token ids, with the final EOS when one was sampled) and vLLM's raw log-prob of each token
-    (before temperature and top-k/top-p, as the trainer's side of the gap). One seed per request: the in-process
-    engine shares torch's global RNG, so a global seed would not make sampling reproducible."""
+    """Completions (token ids, with a sampled EOS) and vLLM's raw log-prob of each token (before temperature and
+    top-k/top-p). One seed per request: the in-process engine shares torch's global RNG."""
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
     params = [SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=seed,
@@ -269,10 +249,9 @@ def fingerprint(weight):
 
 @torch.no_grad()
 def engine_fingerprints(model):
-    """Runs in vLLM's worker on its model: every linear layer read back through its own GEMM, the one sampling uses
-    (on the CPU the weight lives only in a repacked kernel handle), applied to the identity: I W^T = W^T exactly,
-    each output being one weight times 1 plus zeros. Stacked layers (qkv_proj, gate_up_proj) are split back into
-    the checkpoint's projections. Returns {checkpoint weight name: fingerprint}."""
+    """In vLLM's worker: {checkpoint weight name: fingerprint}, each linear layer read back through the GEMM sampling
+    uses (on the CPU the weight lives only in a repacked kernel handle) applied to the identity: I W^T = W^T exactly.
+    Stacked layers (qkv_proj, gate_up_proj) are split back into the checkpoint's projections."""
     from vllm.model_executor.layers.linear import LinearBase
     stacked, prints = getattr(model, "packed_modules_mapping", {}), {}
     for name, m in model.named_modules():
@@ -302,7 +281,7 @@ def stop_engine(llm):
     llm.llm_engine.engine_core.shutdown()
 
 # -----------------------------------------------------------------------------
-# The loss: a per-token divergence between teacher and student next-token distributions
+# The loss: a per-token divergence between teacher and student; the KL diagnostic, at the scale the clip sees
 
 CLIP_MODES = ("entry", "token", "none")
 
@@ -334,9 +313,6 @@ def token_divergence(student_logits, teacher_logits, *, beta=0.0, temperature=1.
     if clip == "token":
         k = k * (tau / k.clamp(min=tau)).detach()
     return k
-
-# -----------------------------------------------------------------------------
-# The KL diagnostic: how far the teacher is from the student, at the scale the clip sees
 
 class PositionStats(NamedTuple):
     """Per answer position, whatever the loss's beta and clip (both at the loss temperature), (N,) each."""
@@ -370,8 +346,7 @@ def diagnostic_sums(stats, sampler_logprobs, tau):
     return sums
 
 def kl_window_means(window, kl_window):
-    """Means over the most recent steps (window: per-step sums, newest last) that cover at least
-    kl_window completion tokens; older steps are dropped from the window in place."""
+    """Means over the newest steps (window: per-step sums) covering kl_window tokens; older steps leave `window`."""
     while len(window) > 1 and sum(w["tokens"] for w in list(window)[1:]) >= kl_window:
         window.popleft()
     w = {k: sum(step_sums[k] for step_sums in window) for k in ("tokens", "kl", "above_tau", "clipped_mass",
@@ -389,12 +364,11 @@ def final_hidden(model, inputs):
 
 def opsd_loss(student_hidden, student_mask, teacher_hidden, teacher_mask, lm_head_weight, num_tokens,
               targets=None, *, loss_positions=None, beta=0.0, temperature=1.0, clip="entry", tau=0.05, chunk_size=256):
-    """(loss, stats): token_divergence summed over the masked positions / num_tokens, and the PositionStats of
-    the N positions when the sampled `targets` (N,) are given. Hidden states are (B, T, H) before the lm_head; the masks
-    select the same count of positions in the same order; `loss_positions` (N,) keeps some out of the loss.
-    Logits exist for `chunk_size` positions at a time (memory chunk x V, not B x T x V). Each chunk's gradient
-    w.r.t. the student hidden states is taken while its logits exist, then attached to the graph through a
-    surrogate term whose value is exactly zero. The lm_head is frozen: it gets no gradient."""
+    """(loss, stats): token_divergence summed over the masked positions / num_tokens, and the N positions'
+    PositionStats when the sampled `targets` (N,) are given. Hidden states (B, T, H) are before the frozen lm_head;
+    both masks select N positions in the same order; `loss_positions` (N,) keeps some out of the loss. Logits exist
+    for `chunk_size` positions at a time (chunk x V, not B x T x V): each chunk's gradient w.r.t. the student hidden
+    states is taken while its logits exist, then attached to the graph by a surrogate whose value is exactly 0."""
     hs, ht = student_hidden[student_mask], teacher_hidden[teacher_mask].detach()  # (N, H) each
     if hs.shape != ht.shape:
         raise ValueError(f"Student and teacher masks select {hs.shape[0]} and {ht.shape[0]} positions: must match.")
@@ -425,18 +399,6 @@ def opsd_loss(student_hidden, student_mask, teacher_hidden, teacher_mask, lm_hea
         return loss, None
     empty = [hs.new_zeros(0, dtype=torch.float32)] * 3  # no position in this micro-batch
     return loss, PositionStats(*map(torch.cat, zip(*stats))) if stats else PositionStats(*empty)
-
-# -----------------------------------------------------------------------------
-# LR schedule: linear warmup, then a cosine decay to --min-lr
-
-def lr_at(step, *, lr, max_steps, warmup_steps=0, min_lr=0.0):
-    """Learning rate of optimizer step `step` (0-based, 0 .. max_steps - 1)."""
-    # 1) linear warmup: lr * (step + 1) / warmup_steps, so the first step already moves the weights
-    if step < warmup_steps:
-        return lr * (step + 1) / warmup_steps
-    # 2) cosine decay: min_lr + (lr - min_lr) * (1 + cos(pi * progress)) / 2, reaching min_lr at max_steps
-    progress = (step - warmup_steps) / max(1, max_steps - warmup_steps)
-    return min_lr + 0.5 * (lr - min_lr) * (1.0 + math.cos(math.pi * progress))
 
 # -----------------------------------------------------------------------------
 # The teacher's weights: the base model (LoRA off), the student's own, or an EMA of the student's LoRA
@@ -476,8 +438,7 @@ def lora_values(lora_params, values):
 
 @torch.no_grad()
 def ema_update(ema, lora_params, decay):
-    """The EMA teacher's LoRA weights after an optimizer step. None before the first step: the first
-    call copies the student exactly; each later call applies ema = decay * ema + (1 - decay) * student."""
+    """The EMA teacher's LoRA after a step: at the first (ema None) a copy, then decay * ema + (1 - decay) * student."""
     if ema is None:
         return [p.detach().clone() for p in lora_params]
     for e, p in zip(ema, lora_params):
@@ -485,13 +446,12 @@ def ema_update(ema, lora_params, decay):
     return ema
 
 # -----------------------------------------------------------------------------
-# One optimizer step: forward and backward over micro-batches, the gradient summed over ranks
+# One optimizer step: forward and backward over micro-batches, the gradient summed over ranks; the LR schedule
 
 def backward_step(model, lora_params, student_prompts, teacher_prompts, completions, *, pad_id, micro_batch_size,
                   teacher, ema=None, skip_first_tokens=0, **loss_kw):
-    """Each micro-batch's loss is divided by the step's token count over all micro-batches and ranks (without the
-    first `skip_first_tokens` of each answer), so the summed gradient is one big batch's. Returns the step's loss
-    and the PositionStats of this rank's N completion positions, completion after completion."""
+    """(the step's loss, PositionStats of this rank's completion positions in order). Each micro-batch's loss is divided
+    by the step's token count over micro-batches and ranks (less `skip_first_tokens` each): one big batch's gradient."""
     device = lora_params[0].device
     lm_head = model.get_output_embeddings().weight  # (V, H), frozen
     loss_tokens = sum(max(0, len(c) - skip_first_tokens) for c in completions)
@@ -520,6 +480,15 @@ def backward_step(model, lora_params, student_prompts, teacher_prompts, completi
         p.grad.copy_(g.view_as(p))
     loss_value = float(all_reduce(torch.tensor(loss_sum, device=device)))
     return loss_value, PositionStats(*map(torch.cat, zip(*stats)))  # one PositionStats per micro-batch, joined
+
+def lr_at(step, *, lr, max_steps, warmup_steps=0, min_lr=0.0):
+    """Learning rate of optimizer step `step` (0-based, 0 .. max_steps - 1)."""
+    # 1) linear warmup: lr * (step + 1) / warmup_steps, so the first step already moves the weights
+    if step < warmup_steps:
+        return lr * (step + 1) / warmup_steps
+    # 2) cosine decay: min_lr + (lr - min_lr) * (1 + cos(pi * progress)) / 2, reaching min_lr at max_steps
+    progress = (step - warmup_steps) / max(1, max_steps - warmup_steps)
+    return min_lr + 0.5 * (lr - min_lr) * (1.0 + math.cos(math.pi * progress))
 
 # =============================================================================
 # PART 2: THE RUN
@@ -552,21 +521,16 @@ def parse_args(argv=None):
     g.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"], help="weights and activations")
     g.add_argument("--lora-r", type=AT_LEAST_1, default=64, help="LoRA rank r")
     g.add_argument("--lora-alpha", type=POSITIVE, default=128, help="LoRA alpha; the update is scaled by alpha / r")
-    g.add_argument("--teacher", default="base", choices=["base", "current", "ema"],
-                   help="base: LoRA switched off (fixed); current: the student; ema: an EMA of the student's LoRA")
+    g.add_argument("--teacher", default="base", choices=["base", "current", "ema"], help="base: LoRA off")
     g.add_argument("--ema-decay", type=checked(float, lambda v: 0 < v < 1, "in (0, 1)"), help="ema's decay: 0.999")
-    g.add_argument("--gradient-checkpointing", action=argparse.BooleanOptionalAction, default=True,
-                   help="recompute activations in backward to fit long answers in memory")
+    g.add_argument("--gradient-checkpointing", action=argparse.BooleanOptionalAction, default=True, help="saves memory")
     g = p.add_argument_group("data and prompts")
-    g.add_argument("--dataset", default="siyanzhao/Openthoughts_math_30k_opsd",
-                   help="hub dataset id, or a local .json / .jsonl / .parquet file")
+    g.add_argument("--dataset", default="siyanzhao/Openthoughts_math_30k_opsd", help="hub id, .json, .jsonl, .parquet")
     g.add_argument("--dataset-split", default="train", help="split of a hub dataset")
     g.add_argument("--problem-column", default="problem", help="column holding the problem")
-    g.add_argument("--context-column", default="solution",
-                   help="column holding the teacher's privileged context; a,b joins two columns with a blank line")
+    g.add_argument("--context-column", default="solution", help="the teacher's privileged context; a,b joins two")
     g.add_argument("--data-select", default="all", choices=["all", "hard"], help="hard: the researcher's selection")
-    g.add_argument("--student-prompt", default="recipe", choices=["recipe", "eval"],
-                   help="recipe: 'Problem: ' + problem + instruction; eval: eval.py's prompt, the format it scores")
+    g.add_argument("--student-prompt", default="recipe", choices=["recipe", "eval"], help="eval: eval.py's prompt")
     g.add_argument("--student-thinking", action=argparse.BooleanOptionalAction, default=False, help="enable_thinking")
     g.add_argument("--teacher-thinking", action=argparse.BooleanOptionalAction, default=True, help="enable_thinking")
     g.add_argument("--max-prompt-length", type=AT_LEAST_1, default=2048, help="rows with a longer prompt are dropped")
@@ -574,15 +538,12 @@ def parse_args(argv=None):
     g.add_argument("--max-new-tokens", type=AT_LEAST_1, default=1024, help="answer length limit")
     g.add_argument("--temperature", type=POSITIVE, default=1.1, help="sampling temperature")
     g.add_argument("--top-p", type=SHARE, default=0.95, help="nucleus sampling threshold")
-    g.add_argument("--top-k", type=checked(int, lambda v: v == -1 or v >= 1, "-1 (off) or at least 1"), default=20,
-                   help="top-k sampling (-1: off)")
+    g.add_argument("--top-k", type=checked(int, lambda v: v == -1 or v >= 1, "-1 (off) or at least 1"), default=20)
     g.add_argument("--vllm-memory", type=SHARE, default=0.3, help="share of each GPU's memory for vLLM (GPU only)")
     g = p.add_argument_group("loss")
-    g.add_argument("--clip", default="entry", choices=CLIP_MODES,
-                   help="entry: min(d_v, tau) per vocabulary entry (released); token: min(k, tau) per position")
+    g.add_argument("--clip", default="entry", choices=CLIP_MODES, help="entry: min(d_v, tau); token: min(k, tau)")
     g.add_argument("--tau", type=POSITIVE, default=0.05, help="clip threshold (1e-6 in the non-thinking recipe)")
-    g.add_argument("--beta", type=checked(float, lambda v: 0 <= v <= 1, "in [0, 1]"), default=0.0,
-                   help="0: forward KL(T||S); 1: reverse KL; between: JSD")
+    g.add_argument("--beta", type=checked(float, lambda v: 0 <= v <= 1, "in [0, 1]"), default=0.0, help="0: forward KL")
     g.add_argument("--loss-temperature", type=POSITIVE, default=1.1, help="temperature of both logits in the loss")
     g.add_argument("--skip-first-tokens", type=AT_LEAST_0, default=0, help="answer positions left out of the loss")
     g.add_argument("--loss-chunk-size", type=AT_LEAST_1, default=256, help="positions whose logits exist at once")
@@ -612,7 +573,8 @@ def parse_args(argv=None):
     return args
 
 # -----------------------------------------------------------------------------
-# The run: generate, train, push, log, checkpoint
+# The run: main() (generate, train, push, log, checkpoint), then how it starts: the device, the process group, and
+# the environment vLLM's engine must run in
 
 def main(argv=None):
     args = parse_args(argv)
@@ -657,9 +619,8 @@ def main(argv=None):
 
             # ---- train: loss = sum over the step's completion tokens / their count over micro-batches and ranks
             loss, stats = backward_step(model, lora_params, student_prompts, teacher_prompts, completions,
-                                               pad_id=pad_id, micro_batch_size=args.micro_batch_size,
-                                               teacher=args.teacher, ema=ema,
-                                               skip_first_tokens=args.skip_first_tokens, **loss_kw)
+                                        pad_id=pad_id, micro_batch_size=args.micro_batch_size, teacher=args.teacher,
+                                        ema=ema, skip_first_tokens=args.skip_first_tokens, **loss_kw)
             grad_norm = torch.nn.utils.clip_grad_norm_(lora_params, args.max_grad_norm).item()
             check_finite(step, loss, grad_norm, out_dir)
             lr = lr_at(step, lr=args.lr, max_steps=args.max_steps, warmup_steps=args.warmup_steps, min_lr=args.min_lr)
@@ -709,9 +670,6 @@ def main(argv=None):
     if dist.is_initialized():
         dist.destroy_process_group()
 
-# -----------------------------------------------------------------------------
-# Start: the device, the process group, and the environment vLLM's engine must run in
-
 def init_distributed(device_flag):
     """(rank, world size, device); the process group under torchrun; the environment vLLM's engine must see."""
     if device_flag == "cuda" and not torch.cuda.is_available():
@@ -746,8 +704,7 @@ def load_prompts(args):
                                     student_prompt=args.student_prompt)
 
 def read_table(source, split, label, prog="opsd.py", offline="a local copy with --dataset FILE"):
-    """Rows (dicts) of a local .json / .jsonl / .parquet file or of a hub dataset's split (eval.py reads with it too);
-    `label` names the source in the one sentence of a refusal (e.g. '--dataset FILE')."""
+    """Rows (dicts) of a local .json / .jsonl / .parquet file or a hub split; `label` names the source in a refusal."""
     path = Path(source).expanduser()
     if not path.is_file():
         if local_path(source):
@@ -804,9 +761,8 @@ def load_rows(dataset, split, problem_column, context_column, data_select="all")
     return [(row[problem_column], "\n\n".join(row[c] for c in context_columns)) for row in rows]
 
 def select_hard(rows, name):
-    """The researcher's `hard` selection: under a fixed step budget, spend it where the privileged teacher
-    and the student disagree. 1) drop rows whose source is 'math' (school problems, KL near zero);
-    2) keep rows whose generated_token_count >= the element at index len // 2 of the sorted counts."""
+    """The researcher's `hard` selection, where teacher and student disagree: 1) drop rows whose source is 'math'
+    (KL near zero); 2) keep rows whose generated_token_count >= the element at len // 2 of the sorted counts."""
     check_columns(rows, f"--dataset {name}", "--data-select hard", str, "source")
     check_columns(rows, f"--dataset {name}", "--data-select hard", (int, float), "generated_token_count")
     kept = [r for r in rows if r["source"] != "math"]
@@ -819,7 +775,8 @@ def select_hard(rows, name):
     return kept
 
 # -----------------------------------------------------------------------------
-# Model: the weights, dropout off, LoRA on all seven projections, after the model guards
+# Model, adapters and checkpoints: LoRA on all seven projections after the model guards; adapters in PEFT's layout;
+# checkpoints written aside and renamed, never half-written
 
 def load_model(args, device):
     """The model with LoRA on all seven projections, after the guards; every rank checks it drew the same LoRA."""
@@ -846,9 +803,6 @@ def disable_dropout(model):
             m.p = 0.0
         if isinstance(getattr(m, "attention_dropout", None), float):
             m.attention_dropout = 0.0
-
-# -----------------------------------------------------------------------------
-# Adapters and checkpoints: adapters in PEFT's layout; checkpoints written aside and renamed, never half-written
 
 ADAPTER_WEIGHTS, ADAPTER_CONFIG = "adapter_model.safetensors", "adapter_config.json"
 
@@ -901,10 +855,9 @@ def restore(checkpoint, model, lora_params, optimizer):
     return state["step"], ema, deque(state["kl_window"])
 
 def save_run_state(out_dir, model, lora_params, ema, args, state=None):
-    """checkpoint-<step>/ (when `state` is given) or final/: the student adapter, the EMA teacher's in
-    ema/ (same layout, so eval.py can score it), and what a resume needs: the step, the optimizer and the KL window
-    (args.json holds the flags and the run's fingerprint). Data order and sampling seeds are functions of (seed,
-    step): no RNG state."""
+    """checkpoint-<step>/ (with `state`) or final/: the student adapter, the EMA teacher's in ema/ (eval.py scores
+    either), and the step, optimizer and KL window (args.json holds flags and fingerprint). No RNG state: data order
+    and sampling seeds are functions of (seed, step)."""
     final_dir = Path(out_dir) / (f"checkpoint-{state['step']}" if state else "final")
     tmp = final_dir.with_name(f".tmp-{final_dir.name}")
     shutil.rmtree(tmp, ignore_errors=True)
@@ -957,14 +910,12 @@ def log_step(args, record, rollouts, tracker):
     """Rank 0: the step line, metrics.jsonl, the rollouts when due (rollouts.jsonl), Weights & Biases."""
     step, out_dir = record["step"], Path(args.output_dir)
     stale = record["logprob_gap_mean"] > GAP_ALARM[args.dtype]
-    print(f"step {step:4d}/{args.max_steps} | loss {record['loss']:.4f} | lr {record['lr']:.2e} | "
-          f"grad {record['grad_norm']:.4f} | kl {record['kl_mean']:.4f} >tau {record['kl_frac_above_tau']:.1%} | "
-          f"len {record['completion_len_mean']:.0f} | sample {record['time_sample']:.1f}s train "
-          f"{record['time_train']:.1f}s push {record['time_push']:.2f}s | {record['tokens_per_second']:.0f} tok/s | "
-          f"gap {record['logprob_gap_mean']:.1e}/{record['logprob_gap_max']:.1e}"
-          + (f" <- gap above the {args.dtype} noise floor measured on CPU: stale weights or wrong positions?"
-             if stale else ""),
-          flush=True)
+    line = ("step {step:4d}/{max_steps} | loss {loss:.4f} | lr {lr:.2e} | grad {grad_norm:.4f} | kl {kl_mean:.4f} "
+            ">tau {kl_frac_above_tau:.1%} | len {completion_len_mean:.0f} | sample {time_sample:.1f}s train "
+            "{time_train:.1f}s push {time_push:.2f}s | {tokens_per_second:.0f} tok/s | gap {logprob_gap_mean:.1e}/"
+            "{logprob_gap_max:.1e}").format(**record, max_steps=args.max_steps)
+    print(line + (f" <- gap above the {args.dtype} noise floor measured on CPU: stale weights or wrong positions?"
+                  if stale else ""), flush=True)
     with open(out_dir / "metrics.jsonl", "a") as f:
         f.write(json.dumps(record) + "\n")
     if rollouts:
@@ -980,7 +931,7 @@ def log_step(args, record, rollouts, tracker):
 # =============================================================================
 
 # -----------------------------------------------------------------------------
-# Flags: the rules that relate several flags
+# Flags and resume: the rules that relate flags; never overwrite a run unless told to; resume only the same run
 
 def check_flags(args):
     """The rules that relate several flags (each flag's own range is its argparse type)."""
@@ -998,9 +949,6 @@ def check_flags(args):
         if not ok:
             fail(message)
 
-# -----------------------------------------------------------------------------
-# Output directory and resume: never overwrite a run unless told to; resume only the same flags, prompts, model, device
-
 # flags a resumed run may change: they cannot change what the run computes, only how or what it logs
 RESUMABLE_CHANGES = ("output_dir", "resume", "overwrite", "micro_batch_size", "gradient_checkpointing",
                      "loss_chunk_size", "vllm_memory", "device", "save_every", "kl_window", "log_rollouts_every",
@@ -1016,8 +964,7 @@ def latest_checkpoint(out_dir):
     return Path(out_dir) / f"checkpoint-{max(steps)}" if steps else None
 
 def check_output_dir(args, rank):
-    """Before anything loads: (the checkpoint to resume from, the run fingerprint args.json recorded), (None, None)
-    for a new run, or one sentence why not."""
+    """Before anything loads: (checkpoint to resume, its recorded fingerprint), (None, None) if new, or why not."""
     out_dir = Path(args.output_dir)
     try:  # every rank probes with its own file, so every rank stops together
         out_dir.mkdir(parents=True, exist_ok=True)
@@ -1060,9 +1007,8 @@ def run_fingerprint(args, prompts, device):
             "device": device.type}
 
 def model_fingerprint(model):
-    """sha256 of config.json and of each weight file's name, size and 16 evenly spaced 64 KiB samples (the whole
-    file under 1 MiB): cheap at any size; retrained or re-released weights change every tensor. None when neither a
-    local directory nor a cached hub snapshot holds the weights (found without network). eval.py records it."""
+    """sha256 of config.json and each weight file's name, size and 16 evenly spaced 64 KiB samples (all of it under
+    1 MiB): cheap at any size. None unless a local directory or cached hub snapshot holds the weights (no network)."""
     folder = model_dir(model)
     weights = (sorted(folder.glob("*.safetensors")) or sorted(folder.glob("*.bin"))) if folder else []
     if not weights or not (folder / "config.json").is_file():
@@ -1108,8 +1054,7 @@ def local_path(value):
             or (len(path.parts) > 1 and Path(path.parts[0]).is_dir()))
 
 def load_config(args):
-    """The model's config, before anything big loads: fields that change logits are refused, and the context
-    must fit prompt + answer."""
+    """The config, before anything big loads: fields that change logits refused; prompt + answer must fit."""
     from transformers import AutoConfig
     if local_path(args.model) and not Path(args.model).expanduser().is_dir():
         fail(f"--model {args.model}: no such directory.")
@@ -1158,13 +1103,14 @@ def check_same_on_every_rank(lora_params):
              "start from the same adapter: check that every rank runs the same opsd.py, torch and --seed.")
 
 # -----------------------------------------------------------------------------
-# Numbers checked: a weight push read back on every rank, no update from a non-finite loss
+# While it runs: each weight push read back, no update from a non-finite loss, a quiet stop on Ctrl-C or SIGTERM
 
 def push_checked(llm, model, out_dir):
-    """push_weights, stopping every rank in one sentence when a rank's engine does not hold what was sent."""
+    """push_weights; when a rank's engine does not hold what was sent, every rank stops and the lowest such says why."""
     problem = push_weights(llm, model)
-    fail_if_any_rank(problem and f"{problem} Stopped; the last checkpoint is {latest_checkpoint(out_dir) or 'none'}.",
-                     model.device)
+    first = int(all_reduce(torch.tensor(RANK if problem else WORLD_SIZE, device=model.device), dist.ReduceOp.MIN))
+    if first < WORLD_SIZE:
+        fail(f"{problem} Stopped; the last checkpoint is {latest_checkpoint(out_dir) or 'none'}.", speaker=first)
 
 def check_finite(step, loss, grad_norm, out_dir):
     """Stop before an update that would write NaN or inf into the adapter (a NaN loss at step 1 on a GPU: README)."""
@@ -1172,25 +1118,20 @@ def check_finite(step, loss, grad_norm, out_dir):
         fail(f"step {step + 1}: non-finite loss ({loss}) or gradient norm ({grad_norm}); "
              f"stopped before the update, last checkpoint: {latest_checkpoint(out_dir) or 'none'}.")
 
-# -----------------------------------------------------------------------------
-# Signals: on Ctrl-C or SIGTERM every rank stops without a traceback; rank 0 says how to resume
-
-SIGNALS = {"received": None}
-
-def on_signal(signum, frame):
-    SIGNALS["received"] = signum
-    raise KeyboardInterrupt
-
 @contextmanager
 def stop_quietly_on_signals(args, world_size, argv):
     """Whatever a signal interrupts (sampling, a collective another rank left), the run ends here: one line
     on rank 0, then every rank exits at once, without vLLM's teardown (which could wait on a dead rank)."""
+    progress = {"step": None, "signal": None}
+
+    def on_signal(signum, frame):
+        progress["signal"] = signum
+        raise KeyboardInterrupt
     previous = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
-    progress = {"step": None}
     try:
         yield progress
     except BaseException:
-        if SIGNALS["received"] is None:
+        if progress["signal"] is None:
             raise
         last, step = latest_checkpoint(args.output_dir), progress["step"]
         where = f"at step {step + 1} of {args.max_steps}" if step is not None else "before the first step"
@@ -1200,7 +1141,7 @@ def stop_quietly_on_signals(args, world_size, argv):
                f"{shlex.join(command)} --resume" if last else "no checkpoint yet, so nothing to resume."),
                file=sys.stderr)
         sys.stdout.flush()
-        os._exit(128 + SIGNALS["received"])
+        os._exit(128 + progress["signal"])
     finally:
         for s, handler in previous.items():
             signal.signal(s, handler)

@@ -46,7 +46,7 @@ def test_the_reading_map_lists_the_sections_of_opsd_in_order():
     banners = [lines[i + 1][2:].split(":")[0] for i, line in enumerate(lines[:-1]) if re.fullmatch(r"# -{20,}", line)]
     section = (ROOT / "README.md").read_text().split("## Reading opsd.py", 1)[1].split("\n## ", 1)[0]
     assert re.findall(r"^- \*\*(.+?)\*\*", section, re.M) == banners
-    assert len(banners) >= 15 and banners.index("The loss") < banners.index("The run") < banners.index("Flags")
+    assert len(banners) >= 15 and banners.index("The loss") < banners.index("The run") < banners.index("Flags and resume")
 
 
 def test_opsd_reads_method_first_within_its_line_budget():
