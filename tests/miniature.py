@@ -22,6 +22,7 @@ import hashlib
 import json
 import os
 import random
+import re
 import shutil
 import subprocess
 import sys
@@ -162,6 +163,16 @@ def has_scratchpad(text):
     """Whether an answer shows column work before its box (issue 25's measure of style drift)."""
     head = text.split("\\boxed")[0]
     return "=" in head
+
+
+def answer_style(text):
+    """What an answer writes before its box: "columns" (the student's column sums of single digits, `7+5=12`),
+    "reference" (the terse reference's whole sum, `457+385=842`, and no column), or "none" (the box alone, or
+    anything else). has_scratchpad counts both of the first two as work."""
+    head = text.split("\\boxed")[0]
+    if re.search(r"(?<![0-9+])[0-9]\+[0-9](\+1)?=[0-9]{1,2}(?![0-9])", head):
+        return "columns"
+    return "reference" if re.search(r"[0-9]{2,}\+[0-9]{2,}=[0-9]+", head) else "none"
 
 
 # -----------------------------------------------------------------------------

@@ -264,6 +264,16 @@ def test_the_drift_arms_command_lines(tmp_path, monkeypatch):
     assert flags("drift-token")["--model"] == str(miniature.DRIFT_MODEL)
 
 
+def test_answer_styles_against_hand_labelled_answers():
+    labelled = {"7+5=12 5+8+1=14 4+3+1=8 \\boxed{842}": "columns", "6+6=13 6+1+1=1 \\boxed{193}": "columns",
+                "0+1=1 \\boxed{1}": "columns", "590+101=763 \\boxed{763}": "reference",
+                "457+385=842 \\boxed{842}": "reference", "\\boxed{842}": "none", "so \\boxed{12}": "none",
+                "457+385=842 7+5=12 \\boxed{842}": "columns"}
+    assert {t: miniature.answer_style(t) for t in labelled} == labelled
+    # has_scratchpad counts any work before the box: the columns and the terse reference alike
+    assert [miniature.has_scratchpad(t) for t in labelled] == [s != "none" for s in labelled.values()]
+
+
 def test_the_lr_rule_breaks_a_ceiling_by_the_area_under_the_dev_curve():
     def run(family, lr, *dev):  # a dev curve: step 0 then one checkpoint per 25 steps
         return {"arm": family, "family": family, "lr": lr, "seed": 1,
