@@ -1129,6 +1129,9 @@ def parse_args(argv=None):
         p.error("--steps, --n, --curve-every and --lrs must be positive.")
     if args.drift:
         args.start_model = "drift"
+        if any(a.endswith("@best") for a in args.arms) and not RESULTS.is_file():
+            p.error(f"the @best drift arms take their tau from the reasoning miniature's results ({RESULTS}), "
+                    "which do not exist yet: run --full first, or leave them out of --arms.")
     missing = [str(MODELS[s]) for s in ([*PRETRAIN_SEEDS] if args.full else [args.start_model])
                if not (MODELS[s] / "config.json").is_file()]
     if missing:

@@ -244,6 +244,13 @@ def test_the_best_tau_rule_on_hand_made_sweeps(tmp_path):
         miniature.best_tau("token", tmp_path / "none.json")
 
 
+def test_the_best_tau_arms_are_refused_early_without_the_sweeps_results(tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(miniature, "RESULTS", tmp_path / "results.json")  # not there
+    with pytest.raises(SystemExit) as stop:
+        miniature.parse_args(["--output-dir", str(tmp_path), "--arms", "drift-none,drift-token@best"])
+    assert stop.value.code == 2 and "run --full first" in capsys.readouterr().err
+
+
 def test_the_drift_arms_command_lines(tmp_path, monkeypatch):
     monkeypatch.setattr(miniature, "best_tau", lambda clip: {"token": 0.5, "entry": 0.005}[clip])
 
