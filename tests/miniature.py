@@ -433,10 +433,10 @@ DRIFT_ARMS = {
     "drift-token": ("opsd", ("token", 0.05, "solution")),
     "drift-none": ("opsd", ("none", 0.05, "solution")),
     "drift-entry": ("opsd", ("entry", 0.05, "solution")),
-    "drift-token@best": ("opsd", ("token", "best", "solution")),
     "drift-entry@best": ("opsd", ("entry", "best", "solution")),
     "drift-skip1": ("opsd", ("none", 0.05, "solution", "--skip-first-tokens", "1")),  # the style's one position
     "drift-sft-trace": ("sft", "trace"),
+    "drift-token@best": ("opsd", ("token", "best", "solution")),  # last: at tau 0.05 it repeats drift-token
 }
 DRIFT_OPSD_ARMS = [a for a, (kind, _) in DRIFT_ARMS.items() if kind == "opsd"]
 ALL_ARMS = {**ARMS, **DRIFT_ARMS}
@@ -1380,33 +1380,36 @@ def experiment(args, out, files, train, dev, heldout, dev_scorer, timed, timings
             block["seeds"][arm] = seeds[arm]
             for k in ("heldout_avg", "transfer_avg", "no_scratchpad", "tokens_mean"):
                 block[k][arm] = []
-            for seed in seeds[arm]:
-                name = run_name(tag, arm, seed)
-                run = out / name
-                with_curve = (arm in curve_arms and seed == seeds[arm][0] and tag == model_tag(primary_model)
-                              and not args.quick)
-                adapter, seconds = train_arm(model_dir, files, train, arm, seed, args.steps, lr_of(arm), run,
-                                             args.resume, save_every=args.curve_every if with_curve else save_every)
-                timed(name, seconds)
-                line = f"{name}:"
-                for fmt, thinking in (("primary", False), ("transfer", True)):
-                    e = evaluate(model_dir, files["heldout"], args.n, out / f"{name}-eval-{fmt}", adapter, thinking)
-                    timed(f"{name}-eval-{fmt}", e["seconds"])
-                    block["heldout_avg" if fmt == "primary" else "transfer_avg"][arm].append(e["avg"])
-                    if fmt == "primary":
-                        block["no_scratchpad"][arm].append(e["no_scratchpad"])
-                        block["tokens_mean"][arm].append(e["tokens_mean"])
-                    line += f" {fmt} {100 * e['avg']:.1f}"
-                print(line + (f", training {seconds:.0f}s" if seconds is not None else ", training kept"), flush=True)
-                if with_curve:
-                    cache = out / f"{name}-curve.json"
-                    if args.resume and cache.is_file():
-                        points = json.loads(cache.read_text())
-                    else:
-                        s = dev_scorer(model_dir)
-                        points = curve(s, dev, run, args.steps, args.curve_every, s.score(dev))
-                        cache.write_text(json.dumps(points) + "\n")
-                    results["dev_curves"][arm] = points
+        # seed by seed: every arm's first seed before any arm's second (a run cut short still covers every arm)
+        for i, k in sorted((i, k) for k, arm in enumerate(arms) for i in range(len(seeds[arm]))):
+            arm = arms[k]
+            seed = seeds[arm][i]
+            name = run_name(tag, arm, seed)
+            run = out / name
+            with_curve = (arm in curve_arms and seed == seeds[arm][0] and tag == model_tag(primary_model)
+                          and not args.quick)
+            adapter, seconds = train_arm(model_dir, files, train, arm, seed, args.steps, lr_of(arm), run,
+                                         args.resume, save_every=args.curve_every if with_curve else save_every)
+            timed(name, seconds)
+            line = f"{name}:"
+            for fmt, thinking in (("primary", False), ("transfer", True)):
+                e = evaluate(model_dir, files["heldout"], args.n, out / f"{name}-eval-{fmt}", adapter, thinking)
+                timed(f"{name}-eval-{fmt}", e["seconds"])
+                block["heldout_avg" if fmt == "primary" else "transfer_avg"][arm].append(e["avg"])
+                if fmt == "primary":
+                    block["no_scratchpad"][arm].append(e["no_scratchpad"])
+                    block["tokens_mean"][arm].append(e["tokens_mean"])
+                line += f" {fmt} {100 * e['avg']:.1f}"
+            print(line + (f", training {seconds:.0f}s" if seconds is not None else ", training kept"), flush=True)
+            if with_curve:
+                cache = out / f"{name}-curve.json"
+                if args.resume and cache.is_file():
+                    points = json.loads(cache.read_text())
+                else:
+                    s = dev_scorer(model_dir)
+                    points = curve(s, dev, run, args.steps, args.curve_every, s.score(dev))
+                    cache.write_text(json.dumps(points) + "\n")
+                results["dev_curves"][arm] = points
         return block
 
     primary = score_model(model_tag(primary_model), MODELS[primary_model], args.arms, args.seeds)
