@@ -193,6 +193,35 @@ def test_the_starting_models_were_accepted_by_the_fixed_rule(task):
     assert all(miniature.has_scratchpad(t) for t in student)  # the student reasons in its scratchpad
 
 
+def test_the_committed_results_are_the_scorings_beside_them():
+    """tests/data/miniature/results/results.json (the full run's table) against the record committed beside it:
+    every held-out score, on every starting model, is the avg@2 of that run's own eval.py summary; every run trained
+    all its steps (its metrics.jsonl); the best-tau rule's verdicts are the table's."""
+    results_dir = miniature.RESULTS.parent
+    results = json.loads(miniature.RESULTS.read_text())
+    blocks = {"p1": results, **results["by_model"]}
+    assert set(blocks) == {"p1", "p2", "p3"}
+    for tag, block in blocks.items():
+        for key, fmt in (("heldout_avg", "primary"), ("transfer_avg", "transfer")):
+            def avg(name):
+                summary = json.loads((results_dir / "runs" / f"{name}-eval-{fmt}" / "summary.json").read_text())
+                return summary["metrics"]["split"]["avg@2"]
+            assert block[key]["base"] == avg(f"{tag}-base")
+            for arm, seeds in block["seeds"].items():
+                assert block[key][arm] == [avg(miniature.run_name(tag, arm, s)) for s in seeds]
+        for arm, seeds in block["seeds"].items():
+            for s in seeds:
+                run = results_dir / "runs" / miniature.run_name(tag, arm, s)
+                steps = [r["step"] for r in miniature.read_metrics(run)]
+                assert steps == list(range(1, results["steps"] + 1))
+    assert len(results["seeds"]["token"]) == 5 and all(len(v) >= 3 for v in results["seeds"].values())
+    for arm in ("token", "none"):  # the long runs: every step trained, a dev point every 25 steps to 300
+        assert [p[0] for p in results["dev_curves"][f"{arm} (300 steps)"]] == list(range(0, 301, 25))
+        assert len(miniature.read_metrics(results_dir / "runs" / f"p1-{arm}-s1-long300")) == 300
+    # from the table in tests/miniature.md: token 100.0 at every tau (a tie: 0.05); entry 6.4, 29.7, 73.0
+    assert miniature.best_tau("token") == 0.05 and miniature.best_tau("entry") == 0.5
+
+
 def test_statistics_against_hand_computed_values():
     # values 0.20, 0.30, 0.25: mean 0.25, sample std 0.05, standard error 0.05 / sqrt(3) = 0.0288675;
     # Student t (2 degrees of freedom, 97.5%) 4.303 -> half-width 0.124217
