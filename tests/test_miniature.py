@@ -193,6 +193,35 @@ def test_the_starting_models_were_accepted_by_the_fixed_rule(task):
     assert all(miniature.has_scratchpad(t) for t in student)  # the student reasons in its scratchpad
 
 
+def test_the_drift_model_was_accepted_and_its_teacher_writes_the_reference_style(task):
+    """The drift model's record: accepted by the same rule, pre-trained on the same split with DRIFT_TERSE; and
+    recomputed here from its weights, independently of the sampled figures in the record: the probability that the
+    first answer token is the box's (`\\`, the boxed answer alone) is about DRIFT_TERSE under the teacher shown the
+    reference, about zero under the student's prompt, averaged over 100 dev problems."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    train, dev = task[0], task[1]
+    info = json.loads((miniature.DRIFT_MODEL / miniature.TASK_FILE).read_text())
+    assert info["accepted"] and miniature.accept(info["dev"], info["dev_answer_loss"])["accepted"]
+    assert info["teacher_terse"] == miniature.DRIFT_TERSE and info["train_digest"] == miniature.split_digest(train)
+    assert info["pretrain_steps"] == miniature.PRETRAIN["steps"]
+    assert abs(info["dev"]["teacher_sampled_no_scratchpad"] - miniature.DRIFT_TERSE) < 0.08
+    tok = AutoTokenizer.from_pretrained(miniature.DRIFT_MODEL)
+    model = AutoModelForCausalLM.from_pretrained(miniature.DRIFT_MODEL, dtype=torch.float32).eval()
+    box = tok.encode("\\boxed{1}", add_special_tokens=False)[0]
+    assert tok.convert_ids_to_tokens(box) == "\\" and box not in tok.encode("7+5=12", add_special_tokens=False)
+
+    def p_box(prompt):
+        with torch.no_grad():
+            return model(input_ids=torch.tensor([prompt])).logits[0, -1].double().softmax(-1)[box].item()
+
+    rows = dev[:100]
+    teacher = sum(p_box(miniature.teacher_prompt(tok, r["problem"], f"{r['problem']}={r['answer']}"))
+                  for r in rows) / len(rows)
+    student = sum(p_box(miniature.student_prompt(tok, r["problem"])) for r in rows) / len(rows)
+    assert abs(teacher - miniature.DRIFT_TERSE) < 0.08 and student < 0.02
+
+
 def test_the_committed_results_are_the_scorings_beside_them():
     """tests/data/miniature/results/results.json (the full run's table) against the record committed beside it:
     every held-out score, on every starting model, is the avg@2 of that run's own eval.py summary; every run trained
