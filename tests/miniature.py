@@ -1029,7 +1029,7 @@ def write_reference_step(path, model_dir=SHIPPED_MODEL, seed=REFERENCE_SEED):
     settings = {"temperature": REFERENCE_TEMPERATURE, "tau": REFERENCE_TAU, "beta": REFERENCE_BETA}
     expected = step_figures(model_dir, rows, **settings)
     header = {
-        "about": "Step-1 rollouts of the shipped miniature model (opsd.py --seed 1 --student-prompt eval "
+        "about": f"Step-1 rollouts of the miniature model {Path(model_dir).name} (opsd.py --seed 1 --student-prompt eval "
                  "--no-student-thinking with tests/miniature.py's settings) and the figures opsd.py computes for "
                  "them with LoRA B = 0 (student and teacher both the unchanged model, float32). loss: sum over "
                  "completion positions of the clipped per-position divergence / number of positions. kl_mean: mean "
@@ -1042,6 +1042,7 @@ def write_reference_step(path, model_dir=SHIPPED_MODEL, seed=REFERENCE_SEED):
         "settings": settings, "expected": expected}
     # one row per line: the file stays readable and diffs stay small
     text = json.dumps(header, indent=1)[:-2] + ',\n "rows": [\n' + ",\n".join(json.dumps(r) for r in rows) + "\n ]\n}\n"
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
     Path(path).write_text(text)
     profile = write_step1_profile(path, model_dir)
     print(json.dumps(expected, indent=1), json.dumps(profile, indent=1))
