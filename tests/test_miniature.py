@@ -324,6 +324,14 @@ def test_the_drift_arms_command_lines(tmp_path, monkeypatch):
     assert miniature.lr_of("drift-token@best") == miniature.CHOSEN_LR["token"]
     assert miniature.lr_of("drift-skip1") == miniature.lr_of("drift-none") == miniature.CHOSEN_LR["none"]
     assert miniature.lr_of("drift-sft-trace") == miniature.CHOSEN_LR["sft-trace"]
+    # the arms added after the drift results: the token clip at 0.05 with the first position left out, at the
+    # token family's lr; outside the fixed protocol's arm lists
+    for arm in ("token-skip1", "drift-token-skip1"):
+        assert flags(arm)["--skip-first-tokens"] == "1" and flags(arm)["--clip"] == "token"
+        assert flags(arm)["--tau"] == "0.05" and miniature.lr_of(arm) == miniature.CHOSEN_LR["token"]
+        assert arm not in miniature.ARMS and arm not in miniature.DRIFT_ARMS
+    assert miniature.parse_args(["--output-dir", str(tmp_path), "--arms", "drift-token-skip1"]).start_model == "drift"
+    assert miniature.parse_args(["--output-dir", str(tmp_path), "--arms", "token-skip1"]).start_model == 1
     cmd = miniature.opsd_command(miniature.DRIFT_MODEL, tmp_path / "t.jsonl", "drift-token", 1, 150, 2e-3, tmp_path)
     assert flags("drift-token")["--student-prompt"] == "eval" and "--no-student-thinking" in cmd
     assert flags("drift-token")["--model"] == str(miniature.DRIFT_MODEL)
