@@ -930,8 +930,9 @@ def plot_drift(results, path):
     for ax, column, label in panels:
         for arm, points in results["dev_curves"].items():
             scale = 1 if column == 5 else 100
+            dashed = arm in ("drift-token@best", "drift-sft-trace")  # each can lie on another arm's line
             ax.plot([p[0] for p in points], [scale * p[column] for p in points], marker="o", ms=3,
-                    color=COLORS.get(arm, "k"), label=arm)
+                    color=COLORS.get(arm, "k"), label=arm, linestyle="--" if dashed else "-", lw=2.5 if dashed else 1.5)
         ax.set_xlabel("optimizer step")
         ax.set_ylabel(label)
     axes[0].legend(fontsize=8)

@@ -251,6 +251,50 @@ def test_the_committed_results_are_the_scorings_beside_them():
     assert miniature.best_tau("token") == 0.05 and miniature.best_tau("entry") == 0.5
 
 
+def test_the_committed_drift_results_are_the_scorings_beside_them():
+    """tests/data/miniature/drift/results.json (the style-drift arms) against the record committed beside it: every
+    held-out score is the avg@2 of that run's own eval.py summary; every share of answers without a scratchpad is
+    recomputed from that run's committed samples with has_scratchpad; every run trained all its steps; the @best
+    arms ran at the best-tau rule's verdict on the reasoning miniature's results."""
+    import gzip
+
+    drift_dir = miniature.DATA / "drift"
+    results = json.loads((drift_dir / "results.json").read_text())
+    assert results["drift"] and results["model"] == "pd" and set(results["seeds"]) == set(miniature.DRIFT_ARMS)
+    assert all(len(seeds) >= 3 for seeds in results["seeds"].values())
+
+    def eval_dir(name, fmt):
+        return drift_dir / "runs" / f"{name}-eval-{fmt}"
+
+    def avg(name, fmt):
+        return json.loads((eval_dir(name, fmt) / "summary.json").read_text())["metrics"]["split"]["avg@2"]
+
+    def no_scratchpad(name):
+        with gzip.open(eval_dir(name, "primary") / "samples.jsonl.gz", "rt") as f:
+            samples = [json.loads(line) for line in f if line.strip()]
+        assert len(samples) == results["problems"] * results["n"]
+        return sum(not miniature.has_scratchpad(s["completion"]) for s in samples) / len(samples)
+
+    for key, fmt in (("heldout_avg", "primary"), ("transfer_avg", "transfer")):
+        assert results[key]["base"] == avg("pd-base", fmt)
+    assert results["no_scratchpad"]["base"] == pytest.approx(no_scratchpad("pd-base"), abs=1e-12)
+    for arm, seeds in results["seeds"].items():
+        names = [miniature.run_name("pd", arm, s) for s in seeds]
+        assert results["heldout_avg"][arm] == [avg(n, "primary") for n in names]
+        assert results["transfer_avg"][arm] == [avg(n, "transfer") for n in names]
+        assert results["no_scratchpad"][arm] == pytest.approx([no_scratchpad(n) for n in names], abs=1e-12)
+        for name in names:
+            steps = [r["step"] for r in miniature.read_metrics(drift_dir / "runs" / name)]
+            assert steps == list(range(1, results["steps"] + 1))
+    assert results["best_tau"] == {clip: miniature.best_tau(clip) for clip in ("token", "entry")}
+    if results["best_tau"]["token"] == 0.05:  # then drift-token@best is drift-token again: seed for seed the same
+        for key in ("heldout_avg", "transfer_avg", "no_scratchpad"):
+            assert results[key]["drift-token@best"] == results[key]["drift-token"]
+    for arm in miniature.DRIFT_ARMS:  # seed 1 of every arm: a dev point every 25 steps
+        assert [p[0] for p in results["dev_curves"][arm]] == list(range(0, results["steps"] + 1, 25))
+    assert results["step1_kl"] == json.loads((drift_dir / "step1_kl.json").read_text())
+
+
 def test_statistics_against_hand_computed_values():
     # values 0.20, 0.30, 0.25: mean 0.25, sample std 0.05, standard error 0.05 / sqrt(3) = 0.0288675;
     # Student t (2 degrees of freedom, 97.5%) 4.303 -> half-width 0.124217
