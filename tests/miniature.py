@@ -860,7 +860,7 @@ COLORS = {"token": "tab:blue", "none": "tab:green", "entry": "tab:orange", "toke
           "sft-trace": "tab:purple", "grpo": "black", "wrong": "tab:brown", "control": "tab:gray"}
 COLORS.update({"drift-token": "tab:blue", "drift-none": "tab:green", "drift-entry": "tab:orange",
                "drift-token@best": "navy", "drift-entry@best": "tab:olive", "drift-skip1": "tab:pink",
-               "drift-sft-trace": "tab:purple"})
+               "drift-sft-trace": "tab:purple", "token-skip1": "tab:pink", "drift-token-skip1": "tab:pink"})
 
 
 def plot(results, path):

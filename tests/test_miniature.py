@@ -251,20 +251,16 @@ def test_the_committed_results_are_the_scorings_beside_them():
     assert miniature.best_tau("token") == 0.05 and miniature.best_tau("entry") == 0.5
 
 
-def test_the_committed_drift_results_are_the_scorings_beside_them():
-    """tests/data/miniature/drift/results.json (the style-drift arms) against the record committed beside it: every
-    held-out score is the avg@2 of that run's own eval.py summary; every share of answers without a scratchpad is
-    recomputed from that run's committed samples with has_scratchpad; every run trained all its steps; the @best
-    arms ran at the best-tau rule's verdict on the reasoning miniature's results."""
+def check_record(record_dir, tag):
+    """A run's committed results.json against the record beside it: every held-out score is the avg@2 of that run's
+    own eval.py summary; every share of answers without a scratchpad is recomputed from its committed samples with
+    has_scratchpad; every run trained all its steps. Returns the results."""
     import gzip
 
-    drift_dir = miniature.DATA / "drift"
-    results = json.loads((drift_dir / "results.json").read_text())
-    assert results["drift"] and results["model"] == "pd" and set(results["seeds"]) == set(miniature.DRIFT_ARMS)
-    assert all(len(seeds) >= 3 for seeds in results["seeds"].values())
+    results = json.loads((record_dir / "results.json").read_text())
 
     def eval_dir(name, fmt):
-        return drift_dir / "runs" / f"{name}-eval-{fmt}"
+        return record_dir / "runs" / f"{name}-eval-{fmt}"
 
     def avg(name, fmt):
         return json.loads((eval_dir(name, fmt) / "summary.json").read_text())["metrics"]["split"]["avg@2"]
@@ -275,17 +271,30 @@ def test_the_committed_drift_results_are_the_scorings_beside_them():
         assert len(samples) == results["problems"] * results["n"]
         return sum(not miniature.has_scratchpad(s["completion"]) for s in samples) / len(samples)
 
+    assert results["model"] == tag
     for key, fmt in (("heldout_avg", "primary"), ("transfer_avg", "transfer")):
-        assert results[key]["base"] == avg("pd-base", fmt)
-    assert results["no_scratchpad"]["base"] == pytest.approx(no_scratchpad("pd-base"), abs=1e-12)
+        assert results[key]["base"] == avg(f"{tag}-base", fmt)
+    assert results["no_scratchpad"]["base"] == pytest.approx(no_scratchpad(f"{tag}-base"), abs=1e-12)
     for arm, seeds in results["seeds"].items():
-        names = [miniature.run_name("pd", arm, s) for s in seeds]
+        names = [miniature.run_name(tag, arm, s) for s in seeds]
         assert results["heldout_avg"][arm] == [avg(n, "primary") for n in names]
         assert results["transfer_avg"][arm] == [avg(n, "transfer") for n in names]
         assert results["no_scratchpad"][arm] == pytest.approx([no_scratchpad(n) for n in names], abs=1e-12)
         for name in names:
-            steps = [r["step"] for r in miniature.read_metrics(drift_dir / "runs" / name)]
+            steps = [r["step"] for r in miniature.read_metrics(record_dir / "runs" / name)]
             assert steps == list(range(1, results["steps"] + 1))
+    return results
+
+
+def test_the_committed_drift_results_are_the_scorings_beside_them():
+    """tests/data/miniature/drift/results.json (the style-drift arms) against the record beside it (check_record);
+    the @best arms ran at the best-tau rule's verdict on the reasoning miniature's results; the dev curves and the
+    step-1 profile are the files'. And the two arms added after those results, each in its own record: the token
+    clip with the first position left out, on the drift model and on the primary model."""
+    drift_dir = miniature.DATA / "drift"
+    results = check_record(drift_dir, "pd")
+    assert results["drift"] and set(results["seeds"]) == set(miniature.DRIFT_ARMS)
+    assert all(len(seeds) >= 3 for seeds in results["seeds"].values())
     assert results["best_tau"] == {clip: miniature.best_tau(clip) for clip in ("token", "entry")}
     if results["best_tau"]["token"] == 0.05:  # then drift-token@best is drift-token again: seed for seed the same
         for key in ("heldout_avg", "transfer_avg", "no_scratchpad"):
@@ -293,6 +302,9 @@ def test_the_committed_drift_results_are_the_scorings_beside_them():
     for arm in miniature.DRIFT_ARMS:  # seed 1 of every arm: a dev point every 25 steps
         assert [p[0] for p in results["dev_curves"][arm]] == list(range(0, results["steps"] + 1, 25))
     assert results["step1_kl"] == json.loads((drift_dir / "step1_kl.json").read_text())
+    for tag, arm in (("pd", "drift-token-skip1"), ("p1", "token-skip1")):
+        added = check_record(drift_dir / f"added-{tag}", tag)
+        assert added["seeds"] == {arm: [1, 2, 3]} and added["steps"] == results["steps"]
 
 
 def test_statistics_against_hand_computed_values():
@@ -376,6 +388,7 @@ def test_the_drift_arms_command_lines(tmp_path, monkeypatch):
         assert arm not in miniature.ARMS and arm not in miniature.DRIFT_ARMS
     assert miniature.parse_args(["--output-dir", str(tmp_path), "--arms", "drift-token-skip1"]).start_model == "drift"
     assert miniature.parse_args(["--output-dir", str(tmp_path), "--arms", "token-skip1"]).start_model == 1
+    assert set(miniature.ALL_ARMS) <= set(miniature.COLORS)  # every arm can be drawn
     cmd = miniature.opsd_command(miniature.DRIFT_MODEL, tmp_path / "t.jsonl", "drift-token", 1, 150, 2e-3, tmp_path)
     assert flags("drift-token")["--student-prompt"] == "eval" and "--no-student-thinking" in cmd
     assert flags("drift-token")["--model"] == str(miniature.DRIFT_MODEL)
