@@ -1,8 +1,8 @@
 """
 On-Policy Self-Distillation (OPSD) for LLM reasoning, in one file.
 
-    torchrun --nproc_per_node 4 opsd.py --clip token        # Qwen3-1.7B, the released recipe's budget
-    python opsd.py --model DIR --dataset FILE.jsonl ...      # one process, no torchrun
+    torchrun --nproc_per_node 4 opsd.py --clip token --skip-first-tokens 1   # Qwen3-1.7B, the released recipe's budget
+    python opsd.py --model DIR --dataset FILE.jsonl ...                       # one process, no torchrun
     torchrun --nproc_per_node 2 opsd.py --model runs/tiny-qwen3 --dataset tests/data/math_train.jsonl \\
         --device cpu --dtype float32 --max-steps 5 --prompts-per-step 8 --micro-batch-size 2   # CPU quickstart
 
