@@ -1036,13 +1036,13 @@ def write_reference_step(path, model_dir=SHIPPED_MODEL, seed=REFERENCE_SEED):
     settings = {"temperature": REFERENCE_TEMPERATURE, "tau": REFERENCE_TAU, "beta": REFERENCE_BETA}
     expected = step_figures(model_dir, rows, **settings)
     header = {
-        "about": f"Step-1 rollouts of the miniature model {Path(model_dir).name} (opsd.py --seed 1 --student-prompt eval "
-                 "--no-student-thinking with tests/miniature.py's settings) and the figures opsd.py computes for "
+        "about": f"Step-1 rollouts of the miniature model {Path(model_dir).name} (opsd.py --seed 1 --student-prompt "
+                 "eval --no-student-thinking with tests/miniature.py's settings) and the figures opsd.py computes for "
                  "them with LoRA B = 0 (student and teacher both the unchanged model, float32). loss: sum over "
                  "completion positions of the clipped per-position divergence / number of positions. kl_mean: mean "
-                 "over the positions of KL(p_T || p_S) at the loss temperature. kl_clipped_teacher_mass: mean over "
-                 "the positions of the teacher's probability on entries with p_T(v) (log p_T(v) - log p_S(v)) > tau. "
-                 "A position predicts a completion token from the prompt and the completion tokens before it, at "
+                 "over the positions of KL(p_T || p_S) at the loss temperature. kl_clipped_teacher_mass: mean over the"
+                 " positions of the teacher's probability on entries with p_T(v) (log p_T(v) - log p_S(v)) > tau. A "
+                 "position predicts a completion token from the prompt and the completion tokens before it, at "
                  "positions 0, 1, 2, ... from the prompt's first token.",
         "model": str(Path(model_dir).relative_to(ROOT)) if Path(model_dir).is_relative_to(ROOT) else str(model_dir),
         "model_sha256_16": model_digest(model_dir), "positions": sum(map(len, completions)),
