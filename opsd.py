@@ -3,8 +3,7 @@ On-Policy Self-Distillation (OPSD) for LLM reasoning, in one file.
 
     torchrun --nproc_per_node 4 opsd.py --clip token --skip-first-tokens 1   # Qwen3-1.7B, the released recipe's budget
     python opsd.py --model DIR --dataset FILE.jsonl ...                       # one process, no torchrun
-    torchrun --nproc_per_node 2 opsd.py --model runs/tiny-qwen3 --dataset tests/data/math_train.jsonl \\
-        --device cpu --dtype float32 --max-steps 5 --prompts-per-step 8 --micro-batch-size 2   # CPU quickstart
+    torchrun --nproc_per_node 2 opsd.py --model tests/miniature/model ...     # on a CPU: README.md's quickstart
 
 One model plays two roles. The student sees only the problem; the teacher is the same network
 whose prompt also holds a reference solution. Each optimizer step:
@@ -14,10 +13,9 @@ whose prompt also holds a reference solution. Each optimizer step:
      full-vocabulary forward KL at every answer position; only LoRA weights train,
   4. the merged LoRA weights are pushed into the running vLLM engine in place, and read back.
 
-Departures from the released recipe (README.md says what each fixes): rows are [prompt | answer | pads] with
-positions from the attention mask (no attention row without a key); prompts reach vLLM as token ids; LoRA merged out
-of place, so the base weights (the fixed teacher) never change; softmax and KL in float32, chunked, normalised by the
-step's token count over micro-batches and ranks; a cosine LR schedule; `--clip token` beside the recipe's `entry`.
+Departures from the released recipe (README.md says why): rows [prompt | answer | pads], positions from the attention
+mask; prompts reach vLLM as token ids; LoRA merged out of place (the fixed teacher never changes); softmax and KL in
+float32, chunked, normalised by the step's tokens over micro-batches and ranks; a cosine schedule; `--clip token`.
 Read top to bottom: helpers; part 1, the method; part 2, the run (main() and what it calls); part 3, the guards.
 """
 
@@ -25,6 +23,7 @@ import argparse
 import hashlib
 import importlib.util
 import json
+import logging
 import math
 import os
 import shlex
@@ -32,6 +31,7 @@ import shutil
 import signal
 import sys
 import time
+import warnings
 from array import array
 from collections import deque
 from contextlib import contextmanager, nullcontext
@@ -59,8 +59,12 @@ def print0(*a, **kw):
 
 def fail(message, speaker=0, prog="opsd.py"):
     """Stop on a user error with one sentence: every rank finds it, only rank `speaker` says it."""
+    text, error_file = f"{prog}: error: {message}", os.environ.get("TORCHELASTIC_ERROR_FILE")
     if RANK == speaker:
-        print(f"{prog}: error: {message}", file=sys.stderr, flush=True)
+        print(text, file=sys.stderr, flush=True)
+    if error_file:  # torchrun's report reads this file: its "Root Cause" then shows the sentence, not <N/A>
+        info = {"py_callstack": text, "timestamp": str(int(time.time()))}
+        Path(error_file).write_text(json.dumps({"message": {"message": text, "extraInfo": info}}))
     raise SystemExit(2)
 
 def all_reduce(tensor, op=None):
@@ -178,6 +182,9 @@ class LoRALinear(nn.Module):
         # W + (alpha / r) B A, out of place, in the model dtype: W is never touched, so the fixed teacher cannot drift
         return (self.weight.float() + self.scale * (self.lora_B @ self.lora_A)).to(self.weight.dtype)
 
+def lora_layers(model):
+    return {name: m for name, m in model.named_modules() if isinstance(m, LoRALinear)}
+
 def add_lora(model, r, alpha, seed=0, targets=LORA_TARGETS):
     """Wrap every nn.Linear child named in `targets` (each must exist, or only part would train), freeze all else;
     return the LoRA parameters. The A matrices come from one CPU generator seeded with `seed`, in module order."""
@@ -186,17 +193,13 @@ def add_lora(model, r, alpha, seed=0, targets=LORA_TARGETS):
     if missing:
         raise ValueError(f"the model ({model.config.model_type}) has no linear layer named {', '.join(missing)}; "
                          f"its linear layers are {', '.join(sorted(linear_names))}")
-    for p in model.parameters():
-        p.requires_grad_(False)
+    model.requires_grad_(False)
     generator = torch.Generator().manual_seed(seed)
     for module in list(model.modules()):
         for child_name, child in list(module.named_children()):
             if child_name in targets and isinstance(child, nn.Linear):
                 setattr(module, child_name, LoRALinear(child, r, alpha, generator))
     return [p for m in lora_layers(model).values() for p in (m.lora_A, m.lora_B)]
-
-def lora_layers(model):
-    return {name: m for name, m in model.named_modules() if isinstance(m, LoRALinear)}
 
 @torch.no_grad()
 def merged_weights(model):
@@ -212,8 +215,10 @@ def merged_weights(model):
 CPU_ENGINE = {"enforce_eager": True, "enable_chunked_prefill": False}
 
 def engine_environment(cpu):
-    """vLLM's logs: errors only (its start-up warnings are CPU tuning advice); on the CPU a 1 GiB KV cache."""
+    """vLLM's logs: errors only, also two notices every CPU start prints before its log is set up; a 1 GiB KV cache."""
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
+    logging.getLogger("vllm.triton_utils.importing").setLevel(logging.ERROR)
+    warnings.filterwarnings("ignore", r"`torch\.distributed\.reduce_op` is deprecated", FutureWarning)
     if cpu:
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 
@@ -403,14 +408,6 @@ def opsd_loss(student_hidden, student_mask, teacher_hidden, teacher_mask, lm_hea
 # -----------------------------------------------------------------------------
 # The teacher's weights: the base model (LoRA off), the student's own, or an EMA of the student's LoRA
 
-def teacher_weights(model, lora_params, teacher, ema):
-    """The context manager of the teacher's forward; the EMA teacher is the student until the first step makes one."""
-    if teacher == "base":
-        return lora_disabled(model)
-    if teacher == "ema" and ema is not None:
-        return lora_values(lora_params, ema)
-    return nullcontext()
-
 @contextmanager
 def lora_disabled(model):
     """The base model without copying it: the fixed teacher of the released recipe."""
@@ -435,6 +432,14 @@ def lora_values(lora_params, values):
     finally:
         for p, s in zip(lora_params, student):
             p.copy_(s)
+
+def teacher_weights(model, lora_params, teacher, ema):
+    """The context manager of the teacher's forward; the EMA teacher is the student until the first step makes one."""
+    if teacher == "base":
+        return lora_disabled(model)
+    if teacher == "ema" and ema is not None:
+        return lora_values(lora_params, ema)
+    return nullcontext()
 
 @torch.no_grad()
 def ema_update(ema, lora_params, decay):
@@ -495,7 +500,7 @@ def lr_at(step, *, lr, max_steps, warmup_steps=0, min_lr=0.0):
 # =============================================================================
 
 # -----------------------------------------------------------------------------
-# Config: every hyper-parameter, each range with its flag; the defaults are the released recipe's (Qwen3-1.7B)
+# Config: every hyper-parameter, each range with its flag, then the rules that relate flags; the recipe's defaults
 
 def checked(kind, ok, rule):
     """An argparse type: the flag's text read as `kind`, refused with "must be <rule>" unless ok(value)."""
@@ -510,6 +515,22 @@ def checked(kind, ok, rule):
 AT_LEAST_1, AT_LEAST_0 = checked(int, lambda v: v >= 1, "at least 1"), checked(int, lambda v: v >= 0, "0 or more")
 POSITIVE, NON_NEGATIVE = checked(float, lambda v: v > 0, "positive"), checked(float, lambda v: v >= 0, "0 or more")
 SHARE = checked(float, lambda v: 0 < v <= 1, "in (0, 1]")
+
+def check_flags(args):
+    """The rules that relate several flags (each flag's own range is its argparse type)."""
+    checks = [
+        (args.ema_decay is None or args.teacher == "ema", "--ema-decay needs --teacher ema."),
+        (args.skip_first_tokens < args.max_new_tokens, "--skip-first-tokens must lie in [0, --max-new-tokens)."),
+        (args.min_lr <= args.lr, "--min-lr must lie in [0, --lr]."),
+        (args.warmup_steps < args.max_steps, "--warmup-steps must lie in [0, --max-steps)."),
+        (args.prompts_per_step % (WORLD_SIZE * args.micro_batch_size) == 0,
+         f"--prompts-per-step {args.prompts_per_step} must be divisible by ranks x --micro-batch-size "
+         f"= {WORLD_SIZE} x {args.micro_batch_size}."),
+        (not args.wandb_project or importlib.util.find_spec("wandb"), "--wandb-project needs wandb: pip install wandb"),
+    ]
+    for ok, message in checks:
+        if not ok:
+            fail(message)
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(
@@ -680,9 +701,8 @@ def init_distributed(device_flag):
         torch.cuda.set_device(device)  # vLLM builds its engine on the current device
     if WORLD_SIZE > 1:
         dist.init_process_group("nccl" if use_cuda else "gloo")
-    # What the push needs, whatever the user exported: the engine in this process (an engine in another process cannot
-    # take the weights' generator), and full-precision float32 matmuls in the trainer and in vLLM's worker (the
-    # read-back compares weights bit for bit; a TF32 GEMM on the identity rounds them; bf16 is exact either way).
+    # What the push needs, whatever was exported: the engine in this process (another process cannot take the weights'
+    # generator); full-precision float32 matmuls in trainer and vLLM (a TF32 GEMM on the identity rounds the read-back).
     for name, value in (("VLLM_ENABLE_V1_MULTIPROCESSING", "0"), ("VLLM_FLOAT32_MATMUL_PRECISION", "highest")):
         if os.environ.get(name, value) != value:
             print0(f"opsd.py: note: {name}={os.environ[name]} replaced by {value}: the weight push and its read-back "
@@ -819,10 +839,9 @@ def save_adapter(model, out_dir, base_model_name_or_path):
     config = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": str(base_model_name_or_path),
               "r": first.r, "lora_alpha": first.alpha, "lora_dropout": 0.0, "bias": "none", "fan_in_fan_out": False,
               "target_modules": sorted({name.rsplit(".", 1)[-1] for name in layers}), "inference_mode": True}
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    save_file(tensors, str(out / ADAPTER_WEIGHTS))
-    (out / ADAPTER_CONFIG).write_text(json.dumps(config, indent=2) + "\n")
+    Path(out_dir).mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(Path(out_dir) / ADAPTER_WEIGHTS))
+    (Path(out_dir) / ADAPTER_CONFIG).write_text(json.dumps(config, indent=2) + "\n")
 
 @torch.no_grad()
 def load_adapter(model, adapter_dir):
@@ -844,8 +863,7 @@ def load_adapter(model, adapter_dir):
 
 def restore(checkpoint, model, lora_params, optimizer):
     """Load a checkpoint into the model and optimizer; returns (step, EMA weights or None, KL window)."""
-    # map_location cpu: it loads on any device; load_state_dict moves the optimizer state to its parameters' device
-    state = torch.load(checkpoint / "trainer_state.pt", map_location="cpu", weights_only=True)
+    state = torch.load(checkpoint / "trainer_state.pt", map_location="cpu", weights_only=True)  # then to any device
     optimizer.load_state_dict(state["optimizer"])
     ema = None
     if (checkpoint / "ema").is_dir():
@@ -855,9 +873,8 @@ def restore(checkpoint, model, lora_params, optimizer):
     return state["step"], ema, deque(state["kl_window"])
 
 def save_run_state(out_dir, model, lora_params, ema, args, state=None):
-    """checkpoint-<step>/ (with `state`) or final/: the student adapter, the EMA teacher's in ema/ (eval.py scores
-    either), and the step, optimizer and KL window (args.json holds flags and fingerprint). No RNG state: data order
-    and sampling seeds are functions of (seed, step)."""
+    """checkpoint-<step>/ (with `state`) or final/: the student adapter, the EMA teacher's in ema/, the step, optimizer
+    and KL window. No RNG state: data order and sampling seeds are functions of (seed, step)."""
     final_dir = Path(out_dir) / (f"checkpoint-{state['step']}" if state else "final")
     tmp = final_dir.with_name(f".tmp-{final_dir.name}")
     shutil.rmtree(tmp, ignore_errors=True)
@@ -931,23 +948,7 @@ def log_step(args, record, rollouts, tracker):
 # =============================================================================
 
 # -----------------------------------------------------------------------------
-# Flags and resume: the rules that relate flags; never overwrite a run unless told to; resume only the same run
-
-def check_flags(args):
-    """The rules that relate several flags (each flag's own range is its argparse type)."""
-    checks = [
-        (args.ema_decay is None or args.teacher == "ema", "--ema-decay needs --teacher ema."),
-        (args.skip_first_tokens < args.max_new_tokens, "--skip-first-tokens must lie in [0, --max-new-tokens)."),
-        (args.min_lr <= args.lr, "--min-lr must lie in [0, --lr]."),
-        (args.warmup_steps < args.max_steps, "--warmup-steps must lie in [0, --max-steps)."),
-        (args.prompts_per_step % (WORLD_SIZE * args.micro_batch_size) == 0,
-         f"--prompts-per-step {args.prompts_per_step} must be divisible by ranks x --micro-batch-size "
-         f"= {WORLD_SIZE} x {args.micro_batch_size}."),
-        (not args.wandb_project or importlib.util.find_spec("wandb"), "--wandb-project needs wandb: pip install wandb"),
-    ]
-    for ok, message in checks:
-        if not ok:
-            fail(message)
+# Resume: never overwrite a run unless told to; resume only the same run (flags, prompts, model, device)
 
 # flags a resumed run may change: they cannot change what the run computes, only how or what it logs
 RESUMABLE_CHANGES = ("output_dir", "resume", "overwrite", "micro_batch_size", "gradient_checkpointing",

@@ -9,7 +9,8 @@ os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 
 TESTS = Path(__file__).resolve().parent
-sys.path[:0] = [str(TESTS.parent), str(TESTS)]
+# the unit tests import opsd.py and eval.py from the root and the scripts they test from their folders
+sys.path[:0] = [str(TESTS.parent), str(TESTS), *(str(TESTS / d) for d in ("miniature", "gpu_check", "benchmark"))]
 
 import pytest  # noqa: E402
 
@@ -30,3 +31,9 @@ def vllm_lora_engine(tiny_model_dir):
 
     return LLM(model=tiny_model_dir, dtype="float32", enforce_eager=True, seed=0, max_model_len=1024,
                enable_lora=True, max_lora_rank=8)
+
+
+def said(stderr, text):
+    """How many of stderr's lines are ours and hold `text`: under torchrun the launcher's report repeats our sentence
+    indented ("traceback : opsd.py: error: ..."), and that copy is not one the run said."""
+    return sum(text in line for line in stderr.splitlines() if line.startswith("opsd.py: "))

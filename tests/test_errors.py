@@ -1,6 +1,7 @@
 # python -m pytest tests/test_errors.py -q
 """A user's mistakes stop opsd.py early (before the model or vLLM loads) with one sentence, never a traceback,
-and under torchrun the sentence is said once. Each case's expected sentence is written here by hand."""
+and under torchrun the sentence is said once and is the cause torchrun's own report names. Each case's expected
+sentence is written here by hand."""
 
 import json
 import subprocess
@@ -89,5 +90,10 @@ def test_one_sentence_once_under_torchrun_without_a_traceback_of_ours(tiny_model
            "--model", tiny_model_dir, "--dataset", empty, "--device", "cpu", "--output-dir", str(tmp_path / "out")]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert proc.returncode != 0
-    assert proc.stderr.count(f"opsd.py: error: --dataset {empty} holds no rows.") == 1, proc.stderr[-3000:]
+    sentence = f"opsd.py: error: --dataset {empty} holds no rows."
+    lines = proc.stderr.splitlines()
+    assert lines.count(sentence) == 1, proc.stderr[-3000:]  # said once, on a line of its own
     assert "opsd.py\", line" not in proc.stderr  # torchrun reports the failed ranks; no frame of ours is printed
+    # the launcher's report, which follows, names our sentence as the root cause instead of "<N/A>"
+    root_cause = proc.stderr.split("Root Cause (first observed failure):", 1)[1]
+    assert f"traceback : {sentence}" in root_cause and "<N/A>" not in proc.stderr

@@ -1,5 +1,5 @@
 # python -m pytest tests/test_gpu_check.py -q
-"""tests/gpu_check.py, the GPU node's check, at its --smoke sizes on this machine, where vLLM cannot be imported
+"""tests/gpu_check/gpu_check.py, the GPU node's check, at its --smoke sizes on this machine, where vLLM cannot be imported
 (as on a GPU node that has torch and transformers only): its JSON is complete and passes, and each of its
 checks fails when the part of opsd.py it checks is broken on purpose."""
 
@@ -14,7 +14,7 @@ import pytest
 import torch
 
 ROOT = Path(__file__).resolve().parent.parent
-SCRIPT = ROOT / "tests" / "gpu_check.py"
+SCRIPT = ROOT / "tests" / "gpu_check" / "gpu_check.py"
 BOOLS_IN_LOSS = ("matches_float64",)
 MIB_FIELDS = (("loss", "peak_mib"), ("loss", "naive_peak_mib"), ("step", "peak_mib"), ("step", "model_mib"))
 
@@ -159,7 +159,7 @@ BREAKING = textwrap.dedent("""
     import copy, json, sys
     from contextlib import contextmanager
     import torch
-    sys.path.insert(0, "tests")
+    sys.path.insert(0, "tests/gpu_check")
     import gpu_check, opsd
 
     s, dev = gpu_check.SIZES["smoke"], torch.device("cpu")

@@ -1,12 +1,12 @@
 # python -m pytest tests/test_miniature.py -q
-"""Reasoning in miniature (tests/miniature.py, tests/miniature.md). The task's split and the writers' traces
+"""Reasoning in miniature (tests/miniature/miniature.py and its README.md). The task's split and the writers' traces
 against hand-worked examples and counts; the starting models' acceptance figures recomputed independently; the
 student's prompt token-identical between opsd.py --student-prompt eval --no-student-thinking and eval.py
 --no-thinking; the statistics, GRPO's advantages and loss and the SFT loss against hand values and float64
-oracles; the port-check fixture (tests/data/miniature/reference_step.json) recomputed through opsd.py's functions
-and independently; a fixed seed reproducing opsd.py's run exactly; and the quick variant: opsd.py trains the
-`none` arm from the shipped model, it scores above the base model in the training format on the held-out split,
-results.json holds what eval.py scored, and an interrupted run resumes to the same results."""
+oracles; the port-check fixture (tests/miniature/reference_step.json) recomputed through opsd.py's functions
+and independently; a fixed seed reproducing opsd.py's run exactly; the committed records; and the script's own
+machinery on a few steps: results.json holds what eval.py scored, and an interrupted run resumes to the same
+results. (The gain itself: tests/test_quickstart.py.)"""
 
 import json
 import os
@@ -223,7 +223,7 @@ def test_the_drift_model_was_accepted_and_its_teacher_writes_the_reference_style
 
 
 def test_the_committed_results_are_the_scorings_beside_them():
-    """tests/data/miniature/results/results.json (the full run's table) against the record committed beside it:
+    """tests/miniature/results/results.json (the full run's table) against the record committed beside it:
     every held-out score, on every starting model, is the avg@2 of that run's own eval.py summary; every run trained
     all its steps (its metrics.jsonl); the best-tau rule's verdicts are the table's."""
     results_dir = miniature.RESULTS.parent
@@ -247,7 +247,7 @@ def test_the_committed_results_are_the_scorings_beside_them():
     for arm in ("token", "none"):  # the long runs: every step trained, a dev point every 25 steps to 300
         assert [p[0] for p in results["dev_curves"][f"{arm} (300 steps)"]] == list(range(0, 301, 25))
         assert len(miniature.read_metrics(results_dir / "runs" / f"p1-{arm}-s1-long300")) == 300
-    # from the table in tests/miniature.md: token 100.0 at every tau (a tie: 0.05); entry 6.4, 29.7, 73.0
+    # from the table in tests/miniature/README.md: token 100.0 at every tau (a tie: 0.05); entry 6.4, 29.7, 73.0
     assert miniature.best_tau("token") == 0.05 and miniature.best_tau("entry") == 0.5
 
 
@@ -287,7 +287,7 @@ def check_record(record_dir, tag):
 
 
 def test_the_committed_drift_results_are_the_scorings_beside_them():
-    """tests/data/miniature/drift/results.json (the style-drift arms) against the record beside it (check_record);
+    """tests/miniature/drift/results.json (the style-drift arms) against the record beside it (check_record);
     the @best arms ran at the best-tau rule's verdict on the reasoning miniature's results; the dev curves and the
     step-1 profile are the files'. And the two arms added after those results, each in its own record: the token
     clip with the first position left out, on the drift model and on the primary model."""
@@ -548,7 +548,7 @@ def test_reference_step_figures():
     (["--output-dir", "x", "--drift", "--quick"], "separate runs"),
 ])
 def test_bad_flags_are_refused_in_one_sentence(argv, words):
-    proc = subprocess.run([sys.executable, str(ROOT / "tests" / "miniature.py"), *argv], capture_output=True,
+    proc = subprocess.run([sys.executable, str(ROOT / "tests" / "miniature" / "miniature.py"), *argv], capture_output=True,
                           text=True, timeout=120, cwd=ROOT)
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
     assert proc.stderr.strip().splitlines()[-1].startswith("miniature.py: error:") and words in proc.stderr
@@ -606,21 +606,20 @@ def test_grpo_trains_from_opsds_parts(task, tmp_path):
 @pytest.fixture(scope="module")
 def quick_run(tmp_path_factory):
     out = tmp_path_factory.mktemp("miniature")
-    cmd = [sys.executable, str(ROOT / "tests" / "miniature.py"), "--output-dir", str(out), "--quick"]
+    cmd = [sys.executable, str(ROOT / "tests" / "miniature" / "miniature.py"), "--output-dir", str(out), *QUICK]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=1200, cwd=ROOT, env={**os.environ})
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return out, proc.stdout
 
 
-def test_quick_run_gains_in_the_training_format(quick_run):
+def test_quick_run_records_what_eval_scored(quick_run):
+    """The quick variant, cut to QUICK[-1] steps (the quickstart's test shows the gain): results.json holds the
+    scores eval.py gave, regraded here from the sums."""
     out, stdout = quick_run
     results = json.loads((out / "results.json").read_text())
     arm = miniature.QUICK_ARM
-    score, base = results["heldout_avg"][arm][0], results["heldout_avg"]["base"]
     assert results["quick"] and results["arms"] == [arm] and results["n"] == 1
-    assert 0.3 < base < 0.8, "the shipped model should be clearly imperfect, not useless"
-    # 10 points is about three standard errors of the difference of two avg@1 scores on 400 problems near 60%
-    assert score > base + QUICK_GAIN, (score, base)
+    assert 0.3 < results["heldout_avg"]["base"] < 0.8, "the shipped model should be clearly imperfect, not useless"
     # results.json agrees with eval.py's samples, regraded here: the boxed answer against the sum of the operands
     for name, key in (("p1-none-s1-eval-primary", "heldout_avg"), ("p1-none-s1-eval-transfer", "transfer_avg")):
         samples = [json.loads(line) for line in (out / name / "samples.jsonl").read_text().splitlines()]
@@ -633,16 +632,16 @@ def test_quick_run_gains_in_the_training_format(quick_run):
     assert (out / "miniature.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert arm in stdout and "per seed" in stdout
     run = out / miniature.run_name("p1", arm, 1)
-    assert len((run / "metrics.jsonl").read_text().splitlines()) == results["steps"] == miniature.QUICK_STEPS
+    assert len((run / "metrics.jsonl").read_text().splitlines()) == results["steps"] == int(QUICK[-1])
 
 
-QUICK_GAIN = 0.10
+QUICK = ["--quick", "--steps", "3"]  # the script's machinery, not its gain: a few steps are enough
 
 
 def test_second_run_into_the_same_directory_is_refused(quick_run):
     out, _ = quick_run
-    proc = subprocess.run([sys.executable, str(ROOT / "tests" / "miniature.py"), "--output-dir", str(out), "--quick"],
-                          capture_output=True, text=True, timeout=120, cwd=ROOT)
+    proc = subprocess.run([sys.executable, str(ROOT / "tests" / "miniature" / "miniature.py"), "--output-dir", str(out),
+                           *QUICK], capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert proc.returncode != 0 and "--overwrite" in proc.stderr and "Traceback" not in proc.stderr
 
 
@@ -650,7 +649,7 @@ def test_an_interrupted_run_resumes_to_the_uninterrupted_results(quick_run):
     """A kill during the last evaluation, then --resume: the training is kept as it was, eval.py draws only the
     samples it lacks, and results.json holds the uninterrupted run's scores. Other settings are refused."""
     out, _ = quick_run
-    script = [sys.executable, str(ROOT / "tests" / "miniature.py"), "--output-dir", str(out), "--quick"]
+    script = [sys.executable, str(ROOT / "tests" / "miniature" / "miniature.py"), "--output-dir", str(out), *QUICK]
     before = json.loads((out / "results.json").read_text())
     run = out / miniature.run_name("p1", miniature.QUICK_ARM, 1)
     trained = (run / "metrics.jsonl").read_bytes()
@@ -660,7 +659,7 @@ def test_an_interrupted_run_resumes_to_the_uninterrupted_results(quick_run):
     scored.write_text("".join(lines[:half]) + lines[half][:20])  # half of the samples and a line cut short
     (scored.parent / "summary.json").unlink()
     (out / "results.json").unlink()
-    refused = subprocess.run(script + ["--resume", "--steps", "3"], capture_output=True, text=True, timeout=120,
+    refused = subprocess.run(script + ["--resume", "--steps", "4"], capture_output=True, text=True, timeout=120,
                              cwd=ROOT)
     assert refused.returncode != 0 and "--steps" in refused.stderr and "Traceback" not in refused.stderr
     proc = subprocess.run(script + ["--resume"], capture_output=True, text=True, timeout=1200, cwd=ROOT)

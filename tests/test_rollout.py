@@ -5,6 +5,7 @@ sampler/trainer gap, seeds."""
 import logging
 
 import pytest
+from conftest import said
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -243,7 +244,7 @@ def test_a_failed_push_stops_the_run_in_one_sentence_naming_the_layer_and_the_ch
            "--save-every", "1", "--output-dir", str(tmp_path)]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=root)
     assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
-    assert proc.stderr.count("opsd.py: error: the weight push failed: vLLM's model.layers.1.mlp.down_proj does not "
+    assert said(proc.stderr, "opsd.py: error: the weight push failed: vLLM's model.layers.1.mlp.down_proj does not "
                              "hold the merged weights sent to it. Stopped; the last checkpoint is "
                              f"{tmp_path / 'checkpoint-1'}.") == 1, proc.stderr[-3000:]
     assert not (tmp_path / "checkpoint-2").exists() and not (tmp_path / "final").exists()
@@ -274,6 +275,6 @@ def test_exported_multiprocessing_and_matmul_precision_cannot_break_the_push(tin
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=root, env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
     for name, value in (("VLLM_ENABLE_V1_MULTIPROCESSING=1", "0"), ("VLLM_FLOAT32_MATMUL_PRECISION=high", "highest")):
-        assert proc.stderr.count(f"opsd.py: note: {name} replaced by {value}") == 1, proc.stderr[-3000:]
+        assert said(proc.stderr, f"opsd.py: note: {name} replaced by {value}") == 1, proc.stderr[-3000:]
     assert "after the run: highest highest" in proc.stdout
     assert sum(line.startswith("step ") for line in proc.stdout.splitlines()) == 2  # both pushes read back

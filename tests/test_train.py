@@ -13,6 +13,7 @@ import time
 from pathlib import Path
 
 import pytest
+from conftest import said
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
@@ -292,7 +293,7 @@ def test_resume_refuses_other_contents_and_drops_half_written_records(entry_run,
     proc = subprocess.run(opsd_command(tiny_model_dir, out, *same, "--resume", nproc=1), capture_output=True,
                           text=True, timeout=300, cwd=ROOT)
     assert proc.returncode != 0 and "opsd.py\", line" not in proc.stderr  # torchrun's own report aside
-    assert proc.stderr.count(f"--resume: the number of prompts (99 -> {prints['prompts']}), the device "
+    assert said(proc.stderr, f"--resume: the number of prompts (99 -> {prints['prompts']}), the device "
                              f"type (cuda -> cpu) changed since {out / 'checkpoint-2'} was written") == 1, proc.stderr
     args_path.write_text(json.dumps(recorded))
     # what a kill leaves: records of steps after the checkpoint, and a line cut in the middle of a write

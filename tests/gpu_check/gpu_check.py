@@ -1,7 +1,7 @@
 """Check opsd.py's training path on one GPU, with torch and transformers only (no vLLM, no network).
 
-    python tests/gpu_check.py --output gpu_check.json     # on a GPU node: the first CUDA device
-    python tests/gpu_check.py --smoke --output smoke.json  # the same code at tiny sizes, on any device
+    python tests/gpu_check/gpu_check.py --output gpu_check.json     # on a GPU node: the first CUDA device
+    python tests/gpu_check/gpu_check.py --smoke --output smoke.json  # the same code at tiny sizes, on any device
 
 Not collected by pytest (tests/test_gpu_check.py runs --smoke). opsd.py is imported, never vLLM (opsd.py
 imports it only inside the functions that sample). Each part below runs in its own try block: a part that
@@ -36,7 +36,7 @@ timings, go to stderr. Exit code 0 when every part ran and passed, 1 otherwise, 
   shape of Qwen3-1.7B's projections (and vLLM's stacked qkv and gate_up), in bf16 and in float32 with
   full-precision matmuls (opsd.py's settings for a float32 run); float32 with TF32 allowed is reported only.
 
-tests/gpu_check.md describes each part's fields and tolerances, and keeps the results table.
+tests/gpu_check/README.md describes each part's fields and tolerances, and keeps the results table.
 
 On a CPU (--smoke without a GPU) peak memory cannot be read from an allocator: every *_mib field is null
 there, and only the CUDA run checks that the chunked loss's peak is below the naive one.
@@ -57,7 +57,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 import opsd  # noqa: E402
 
 # The loss settings of the released recipe (opsd.py's defaults)

@@ -1,6 +1,6 @@
 """Peak extra memory and time of opsd_loss (chunked) against the released recipe's naive loss.
 
-    python tests/bench_loss.py [--repeats 3] [--chunk-size 32]
+    python tests/benchmark/bench_loss.py [--repeats 3] [--chunk-size 32]
 
 Not collected by pytest. Real sizes of the loss head (Qwen3 vocabulary 151,936, bf16 hidden
 states and lm_head), a small hidden size (256) so it runs on a CPU, 2 x 512 completion tokens,
@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from opsd import opsd_loss  # noqa: E402
 
 V, H, B, T_LEN = 151_936, 256, 2, 512

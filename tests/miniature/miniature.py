@@ -1,13 +1,14 @@
 """Reasoning in miniature: 3-digit addition with a scratchpad, on a 2-core CPU. opsd.py's arms against SFT on the
-reference, SFT on expert traces and GRPO, scored by eval.py in the format the student trains in. tests/miniature.md
+reference, SFT on expert traces and GRPO, scored by eval.py in the format the student trains in. tests/miniature/README.md
 holds the protocol (fixed before any arm was run) and the results.
 
-    python tests/miniature.py --output-dir runs/mini                # the default: the headline arms, 2 seeds (~25 min)
-    python tests/miniature.py --output-dir runs/mini-quick --quick  # what the test suite runs (~1.5 min)
-    python tests/miniature.py --output-dir runs/mini-full --full    # the whole protocol (~3 h; --resume continues it)
-    python tests/miniature.py --output-dir runs/select --select --arms token --lr 5e-3   # dev: one lr, dev curves
-    python tests/miniature.py --pretrain --pretrain-seed 1 --output-dir runs/model-p1  # a starting model, accepted?
-    python tests/miniature.py --reference-step tests/data/miniature/reference_step.json  # the port-check fixture
+    python tests/miniature/miniature.py --output-dir runs/mini                # the default: the headline arms, 2 seeds (~25 min)
+    python tests/miniature/miniature.py --output-dir runs/mini-quick --quick  # one arm, 40 steps (~1.5 min)
+    python tests/miniature/miniature.py --quickstart --output-dir runs/qs  # the README quickstart, timed, and its curve
+    python tests/miniature/miniature.py --output-dir runs/mini-full --full    # the whole protocol (~3 h; --resume continues it)
+    python tests/miniature/miniature.py --output-dir runs/select --select --arms token --lr 5e-3   # dev: one lr, dev curves
+    python tests/miniature/miniature.py --pretrain --pretrain-seed 1 --output-dir runs/model-p1  # a starting model, accepted?
+    python tests/miniature/miniature.py --reference-step tests/miniature/reference_step.json  # the port-check fixture
 
 The task: a+b with 100 <= a, b <= 999. The student (eval.py's prompt, thinking off: opsd.py --student-prompt eval
 --no-student-thinking) writes a right-to-left column scratchpad, `7+5=12 5+8+1=14 4+3+1=8 \\boxed{842}`; the
@@ -23,6 +24,7 @@ import json
 import os
 import random
 import re
+import shlex
 import shutil
 import subprocess
 import sys
@@ -31,20 +33,20 @@ from pathlib import Path
 
 import torch
 
-TESTS = Path(__file__).resolve().parent
-ROOT = TESTS.parent
-sys.path[:0] = [str(ROOT), str(TESTS)]
+HERE = Path(__file__).resolve().parent  # tests/miniature: this script, its models, data and records
+ROOT = HERE.parent.parent
+sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
 
 import eval as evaluation  # noqa: E402  (eval.py: its prompt builder and grading)
 import opsd  # noqa: E402  (opsd.py: its prompts, LoRA, data order, sampling, weight push, LR schedule, loss)
 from make_tiny_model import CHAT_TEMPLATE, SPECIAL_TOKENS  # noqa: E402
 
-DATA = TESTS / "data" / "miniature"
+DATA = HERE
 # the three starting models, by pre-training seed, fixed in advance; the first is the one every arm runs on
 PRETRAIN_SEEDS = (1, 2, 3)
 SHIPPED_MODELS = {1: DATA / "model", 2: DATA / "model-p2", 3: DATA / "model-p3"}
 SHIPPED_MODEL = SHIPPED_MODELS[1]
-# the style-drift model (tests/miniature.md, part 3): pre-training seed 1, its teacher shown the reference answers in
+# the style-drift model (tests/miniature/README.md, part 3): pre-training seed 1, its teacher shown the reference answers in
 # the reference's style (the boxed answer alone) in DRIFT_TERSE of its teacher-format examples
 DRIFT_MODEL, DRIFT_TERSE = DATA / "model-drift", 0.3
 MODELS = {**SHIPPED_MODELS, "drift": DRIFT_MODEL}
@@ -344,7 +346,7 @@ def pretrain(out_dir, train, dev, heldout, *, seed, steps=PRETRAIN["steps"], tea
     return info
 
 
-# The acceptance rule, fixed before any arm ran (tests/miniature.md): on the dev split, in the student's training
+# The acceptance rule, fixed before any arm ran (tests/miniature/README.md): on the dev split, in the student's training
 # prompt, the base model's greedy and sampled (temperature 1) accuracy in these windows, the teacher with the
 # reference nearly perfect, and the pre-training converged (dev answer loss moved by under 2% in its last 100 steps).
 ACCEPT = {"greedy": (0.40, 0.85), "sampled": (0.30, 0.75), "teacher_greedy_min": 0.95, "loss_change_max": 0.02}
@@ -439,19 +441,19 @@ DRIFT_ARMS = {
     "drift-token@best": ("opsd", ("token", "best", "solution")),  # last: at tau 0.05 it repeats drift-token
 }
 DRIFT_OPSD_ARMS = [a for a, (kind, _) in DRIFT_ARMS.items() if kind == "opsd"]
-# added after the drift arms' results were seen, outside the fixed protocol (tests/miniature.md part 4): the
+# added after the drift arms' results were seen, outside the fixed protocol (tests/miniature/README.md part 4): the
 # recommended clip with the first position left out, with drift (on the drift model) and without (the primary model)
 TOKEN_SKIP1 = ("opsd", ("token", 0.05, "solution", "--skip-first-tokens", "1"))
 ADDED_ARMS, ADDED_DRIFT_ARMS = {"token-skip1": TOKEN_SKIP1}, {"drift-token-skip1": TOKEN_SKIP1}
 ON_DRIFT_MODEL = {**DRIFT_ARMS, **ADDED_DRIFT_ARMS}
 ALL_ARMS = {**ARMS, **ON_DRIFT_MODEL, **ADDED_ARMS}
-# the lr family of each arm (tests/miniature.md, "Learning rates"); a drift arm trains at its clip's family's lr
+# the lr family of each arm (tests/miniature/README.md, "Learning rates"); a drift arm trains at its clip's family's lr
 FAMILY = {arm: arm.split("@")[0] if arm not in ("wrong", "control") else "none" for arm in ARMS}
 FAMILY.update({arm: {"drift-skip1": "none"}.get(arm, arm.removeprefix("drift-").split("@")[0]) for arm in DRIFT_ARMS})
 FAMILY.update({"token-skip1": "token", "drift-token-skip1": "token"})
 LR_GRID = (2e-3, 5e-3, 1.25e-2)
 EXTEND_LIMIT = (LR_GRID[0] / 2.5 ** 2, LR_GRID[-1] * 2.5 ** 2)  # at most two grid points beyond either edge
-# each family's lr as chosen on dev (selection.json in tests/data/miniature/selection); a family not yet chosen
+# each family's lr as chosen on dev (selection.json in tests/miniature/selection); a family not yet chosen
 # trains at PROVISIONAL_LR and results.json says so
 CHOSEN_LR = {"token": 2e-3, "none": 2e-3, "entry": 3.2e-4, "sft-reference": 5e-3, "sft-trace": 2e-3, "grpo": 8e-4}
 PROVISIONAL_LR = 5e-3
@@ -744,7 +746,8 @@ class DevScorer:
                        max_num_batched_tokens=8192, max_num_seqs=256)
         self.adapters = 0
 
-    def score(self, rows, adapter=None, n=EVAL_N, thinking=False, seed=42):
+    def score(self, rows, adapter=None, n=EVAL_N, thinking=False, seed=42, name="split"):
+        """avg@n as eval.py --data NAME=... scores it, sample for sample (its seeds come from `name`)."""
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
         from vllm.lora.request import LoRARequest
@@ -757,7 +760,7 @@ class DevScorer:
         prompts = [TokensPrompt(prompt_token_ids=evaluation.prompt_ids(self.tok, rows[i]["problem"], thinking))
                    for i, _ in keys]
         params = [SamplingParams(temperature=1.0, top_p=0.95, max_tokens=MAX_NEW_TOKENS,
-                                 seed=evaluation.sample_seed(seed, "split", i, j)) for i, j in keys]
+                                 seed=evaluation.sample_seed(seed, name, i, j)) for i, j in keys]
         outputs = self.llm.generate(prompts, params, lora_request=lora, use_tqdm=False)
         texts = [o.outputs[0].text for o in outputs]
         correct = [evaluation.is_correct(t, rows[i]["answer"]) for t, (i, _) in zip(texts, keys)]
@@ -780,6 +783,95 @@ def curve(scorer, dev, run, steps, every, base_score):
             s = scorer.score(dev, adapter)
             points.append([step, round(tokens), round(seconds, 1), s["avg"], s["no_scratchpad"], s["tokens_mean"]])
     return points
+
+
+# -----------------------------------------------------------------------------
+# The README's quickstart: its commands as written, timed, then the same training with a checkpoint every
+# QUICKSTART_EVERY steps, each scored on the held-out problems as its eval.py command scores (same seeds)
+
+README = ROOT / "README.md"
+QUICKSTART_RECORD, QUICKSTART_EVERY = DATA / "quickstart", 5
+
+
+def quickstart_commands(readme=README):
+    """The commands of the README's quickstart block, continuation lines joined, in order."""
+    section = Path(readme).read_text().split("\n## Quickstart", 1)[1].split("\n## ", 1)[0]
+    block = re.search(r"```bash\n(.*?)```", section, re.S).group(1)
+    return [" ".join(line.split()) for line in block.replace("\\\n", " ").splitlines() if line.strip()]
+
+
+def in_dir(command, out):
+    """A quickstart command writing under `out` instead of runs/, as argv."""
+    return [str(out / a.removeprefix("runs/")) if a.startswith("runs/") else a for a in shlex.split(command)]
+
+
+def quickstart(out, overwrite=False):
+    """Run the quickstart as written into `out` (timed, alone), then its curve; write quickstart.json and the figure."""
+    if (out / "quickstart.json").exists() and not overwrite:
+        raise SystemExit(f"{out} already holds a quickstart record: pass --overwrite or choose another --output-dir.")
+    out.mkdir(parents=True, exist_ok=True)
+    commands, seconds = quickstart_commands(), []
+    for i, command in enumerate(commands):
+        seconds.append(round(run_logged(in_dir(command, out), out / f"command-{i + 1}.log"), 1))
+    train, base_eval, trained_eval = (in_dir(c, out) for c in commands)
+    run = Path(train[train.index("--output-dir") + 1])
+    summary = lambda argv: json.loads((Path(argv[argv.index("--output-dir") + 1]) / "summary.json").read_text())  # noqa: E731
+    heldout = [json.loads(line) for line in (ROOT / base_eval[base_eval.index("--data") + 1].split("=", 1)[1])
+               .read_text().splitlines()]
+    curve_run = out / "curve-run"
+    run_logged([*train[:train.index("--output-dir")], "--output-dir", str(curve_run), "--save-every",
+                str(QUICKSTART_EVERY), *train[train.index("--output-dir") + 2:]], out / "curve-run.log")
+    scorer, steps = DevScorer(ROOT / train[train.index("--model") + 1]), len(read_metrics(curve_run))
+    points = [[0, scorer.score(heldout, n=1, name="heldout")["avg"]]]
+    for step in range(QUICKSTART_EVERY, steps + 1, QUICKSTART_EVERY):
+        adapter = curve_run / ("final" if step == steps else f"checkpoint-{step}")
+        points.append([step, scorer.score(heldout, adapter, n=1, name="heldout")["avg"]])
+    record = {"commands": commands, "seconds": seconds, "seconds_total": round(sum(seconds), 1),
+              "machine": this_machine(), "heldout_base": summary(base_eval)["metrics"]["heldout"]["avg@1"],
+              "heldout_trained": summary(trained_eval)["metrics"]["heldout"]["avg@1"],
+              "kl_mean": [[r["step"], r["kl_mean"]] for r in read_metrics(run)],
+              "curve_every": QUICKSTART_EVERY, "curve_heldout": points}
+    write_quickstart_record(out, record, run, base_eval, trained_eval, curve_run)
+    print(f"held-out {100 * record['heldout_base']:.1f} -> {100 * record['heldout_trained']:.1f}; the three commands "
+          f"{record['seconds_total']:.0f} s ({', '.join(f'{x:.0f}' for x in seconds)}) -> {out / 'quickstart.json'}")
+    return record
+
+
+def write_quickstart_record(out, record, run, base_eval, trained_eval, curve_run):
+    """out/record/: what tests/miniature/quickstart/ commits: quickstart.json, the figure, the step lines, both runs'
+    metrics and the two scorings' samples."""
+    dest = out / "record"
+    dest.mkdir(exist_ok=True)
+    (dest / "quickstart.json").write_text(json.dumps(record, indent=2) + "\n")
+    plot_quickstart(record, dest / "quickstart.png")
+    lines = [line for line in (out / "command-1.log").read_text().splitlines() if line.startswith("step ")]
+    (dest / "step-lines.txt").write_text("\n".join(lines) + "\n")
+    shutil.copy(run / "metrics.jsonl", dest / "metrics.jsonl")
+    shutil.copy(curve_run / "metrics.jsonl", dest / "curve-run-metrics.jsonl")
+    for name, argv in (("base", base_eval), ("trained", trained_eval)):
+        shutil.copy(Path(argv[argv.index("--output-dir") + 1]) / "samples.jsonl", dest / f"{name}-samples.jsonl")
+
+
+def plot_quickstart(record, path):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, acc = plt.subplots(figsize=(7, 3.6))
+    steps, scores = zip(*record["curve_heldout"])
+    acc.plot(steps, [100 * v for v in scores], marker="o", color="tab:blue")
+    acc.set_xlabel("optimizer step")
+    acc.set_ylabel("held-out accuracy, avg@1 (%)", color="tab:blue")
+    acc.set_ylim(0, 105)
+    kl = acc.twinx()
+    kl.plot(*zip(*record["kl_mean"]), color="tab:red", linewidth=1.2)
+    kl.set_yscale("log")
+    kl.set_ylabel("kl_mean of the step (log scale)", color="tab:red")
+    acc.set_title("quickstart: 400 held-out 3-digit sums; the teacher, shown the sum, corrects the carries", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
 
 
 # -----------------------------------------------------------------------------
@@ -1037,7 +1129,7 @@ def write_reference_step(path, model_dir=SHIPPED_MODEL, seed=REFERENCE_SEED):
     expected = step_figures(model_dir, rows, **settings)
     header = {
         "about": f"Step-1 rollouts of the miniature model {Path(model_dir).name} (opsd.py --seed 1 --student-prompt "
-                 "eval --no-student-thinking with tests/miniature.py's settings) and the figures opsd.py computes for "
+                 "eval --no-student-thinking with tests/miniature/miniature.py's settings) and the figures opsd.py computes for "
                  "them with LoRA B = 0 (student and teacher both the unchanged model, float32). loss: sum over "
                  "completion positions of the clipped per-position divergence / number of positions. kl_mean: mean "
                  "over the positions of KL(p_T || p_S) at the loss temperature. kl_clipped_teacher_mass: mean over the"
@@ -1069,7 +1161,7 @@ def parse_args(argv=None):
                    help="comma-separated training seeds every chosen arm runs (default 1,2; --quick, --select: 1)")
     p.add_argument("--quick", action="store_true",
                    help=f"the test suite's check: {QUICK_ARM}, seed 1, {QUICK_STEPS} steps, held-out avg@1")
-    p.add_argument("--full", action="store_true", help="the whole protocol of tests/miniature.md (resumable)")
+    p.add_argument("--full", action="store_true", help="the whole protocol of tests/miniature/README.md (resumable)")
     p.add_argument("--drift", action="store_true",
                    help="the style-drift arms on the drift model, seeds 1-3 (--arms, --seeds select among them); with "
                         "--reference-step: the drift model's step-1 rollouts")
@@ -1092,9 +1184,15 @@ def parse_args(argv=None):
                    help="continue the run in --output-dir with the same flags (finished pieces are kept)")
     p.add_argument("--reference-step", metavar="PATH", default=None,
                    help="write the port-check fixture (step-1 rollouts of the shipped model and their loss) and stop")
+    p.add_argument("--quickstart", action="store_true",
+                   help="run the README's quickstart as written, timed, and its held-out curve; write its record")
     p.add_argument("--grpo-job", default=None, help=argparse.SUPPRESS)  # one GRPO training, in its own process
     args = p.parse_args(argv)
     if args.reference_step or args.grpo_job:
+        return args
+    if args.quickstart and not args.output_dir:
+        p.error("--quickstart needs --output-dir.")
+    if args.quickstart:
         return args
     arms = [a.strip() for a in args.arms.split(",")] if args.arms else []
     if arms and all(a in ON_DRIFT_MODEL for a in arms):
@@ -1200,6 +1298,8 @@ def main(argv=None):
         job = json.loads(args.grpo_job)
         return train_grpo(Path(job["model_dir"]), Path(job["train_file"]), job["seed"], job["steps"], job["lr"],
                           Path(job["out_dir"]), job["save_every"])
+    if args.quickstart:
+        return quickstart(Path(args.output_dir), args.overwrite)
     if args.reference_step:
         return write_reference_step(args.reference_step, DRIFT_MODEL if args.drift else SHIPPED_MODEL)
     train, dev, heldout = make_task()
@@ -1285,7 +1385,7 @@ def select(args, out, files, train, dev, heldout, dev_scorer, timed):
 
 
 def choose_lrs(selection):
-    """Each family's lr by the protocol's rule as amended (tests/miniature.md): of the lrs whose dev score at the
+    """Each family's lr by the protocol's rule as amended (tests/miniature/README.md): of the lrs whose dev score at the
     last step is within 1 point of the best, the one with the highest mean dev score over the checkpoints after
     step 0 (the area under its dev curve); an exact tie goes to the smaller lr. 'extend' when the winner sits at
     an edge of the lrs run and the next grid point beyond it (x2.5) lies within EXTEND_LIMIT: it must run too."""
