@@ -59,12 +59,11 @@ def print0(*a, **kw):
 
 def fail(message, speaker=0, prog="opsd.py"):
     """Stop on a user error with one sentence: every rank finds it, only rank `speaker` says it."""
-    text, error_file = f"{prog}: error: {message}", os.environ.get("TORCHELASTIC_ERROR_FILE")
+    text, where = f"{prog}: error: {message}", os.environ.get("TORCHELASTIC_ERROR_FILE")
     if RANK == speaker:
         print(text, file=sys.stderr, flush=True)
-    if error_file:  # torchrun's report reads this file: its "Root Cause" then shows the sentence, not <N/A>
-        info = {"py_callstack": text, "timestamp": str(int(time.time()))}
-        Path(error_file).write_text(json.dumps({"message": {"message": text, "extraInfo": info}}))
+    if where:  # torchrun's report reads this file: its "Root Cause" then shows the sentence, not <N/A>
+        Path(where).write_text(json.dumps({"message": {"message": text, "extraInfo": {"timestamp": int(time.time())}}}))
     raise SystemExit(2)
 
 def all_reduce(tensor, op=None):
