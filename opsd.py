@@ -556,7 +556,7 @@ def parse_args(argv=None):
     g.add_argument("--max-prompt-length", type=AT_LEAST_1, default=2048, help="rows with a longer prompt are dropped")
     g = p.add_argument_group("sampling (vLLM)")
     g.add_argument("--max-new-tokens", type=AT_LEAST_1, default=1024, help="answer length limit")
-    g.add_argument("--temperature", type=POSITIVE, default=1.1, help="sampling temperature")
+    g.add_argument("--temperature", type=checked(float, lambda v: 0 < v <= 2, "in (0, 2], vLLM's range"), default=1.1)
     g.add_argument("--top-p", type=SHARE, default=0.95, help="nucleus sampling threshold")
     g.add_argument("--top-k", type=checked(int, lambda v: v == -1 or v >= 1, "-1 (off) or at least 1"), default=20)
     g.add_argument("--vllm-memory", type=SHARE, default=0.3, help="share of each GPU's memory for vLLM (GPU only)")

@@ -41,6 +41,8 @@ def write(path, text):
     (["--lora-r", "0"], "opsd.py: error: argument --lora-r: must be at least 1, got 0\n"),
     (["--lora-r", "two"], "opsd.py: error: argument --lora-r: invalid int value: 'two'\n"),
     (["--tau", "0"], "opsd.py: error: argument --tau: must be positive, got 0\n"),
+    (["--temperature", "3"],
+     "opsd.py: error: argument --temperature: must be in (0, 2], vLLM's range, got 3\n"),
     (["--top-k", "0"], "opsd.py: error: argument --top-k: must be -1 (off) or at least 1, got 0\n"),
     (["--vllm-memory", "1.5"], "opsd.py: error: argument --vllm-memory: must be in (0, 1], got 1.5\n"),
     (["--clip", "entr"], "opsd.py: error: argument --clip: invalid choice: 'entr' (choose from 'entry', 'token', 'none')\n"),

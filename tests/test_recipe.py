@@ -104,8 +104,9 @@ def test_skip_first_tokens_is_the_loss_restricted_by_hand(tiny_model_dir):
         torch.testing.assert_close(g, p.grad, atol=1e-6, rtol=1e-4)
     # the diagnostics still cover every position, first tokens included
     assert len(stats.kl) == len(stats.logprob) == sum(map(len, COMPLETIONS))
-    # the first-token KL: each completion's first position, found from the completions' lengths alone
-    firsts = [sum(map(len, COMPLETIONS[:i])) for i, c in enumerate(COMPLETIONS) if c]  # by hand
+    # the first-token KL: each completion's first position, written out by hand from their lengths (5, 2, 8)
+    assert list(map(len, COMPLETIONS)) == [5, 2, 8]
+    firsts = [0, 5, 7]
     sums = opsd.diagnostic_sums(stats, [[0.0] * len(c) for c in COMPLETIONS], tau=0.05)
     assert sums["first_tokens"] == len(firsts) and sums["first_kl"] == pytest.approx(float(stats.kl[firsts].sum()))
     assert sums["tokens"] == len(stats.kl) and sums["kl"] == pytest.approx(float(stats.kl.sum()), rel=1e-6)

