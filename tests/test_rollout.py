@@ -287,7 +287,7 @@ def test_exported_multiprocessing_and_matmul_precision_cannot_break_the_push(tin
 def test_top_k_1_is_greedy_decoding_of_the_same_weights(llm, args, tiny_model_dir):
     """--top-k 1 at the recipe's temperature and top-p: every sampled token is the argmax of transformers' logits of
     the same weights given what came before (a tie within float32 noise aside); without top-k it would not be."""
-    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
+    model = base_weights_in(llm, tiny_model_dir)
     prompts = [SEQUENCE[:n] for n in (3, 6, 9, 12)]
     greedy = argparse_like(args, temperature=1.1, top_p=0.95, top_k=1)
     completions, _ = opsd.sample(llm, prompts, [11, 12, 13, 14], greedy)
@@ -303,6 +303,16 @@ def test_top_k_1_is_greedy_decoding_of_the_same_weights(llm, args, tiny_model_di
     assert off_argmax > 0  # without top-k the same seeds leave the argmax: the check can fail
 
 
+def base_weights_in(llm, model_dir):
+    """The tiny model in transformers, and the same weights in the shared engine (other tests push theirs into it):
+    pushed through a LoRA with B = 0, whose merge is the base weight exactly."""
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    pushed = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    opsd.add_lora(pushed, r=8, alpha=16)
+    assert opsd.push_weights(llm, pushed) is None
+    return model
+
+
 def argparse_like(args, **changes):
     import argparse
 
@@ -314,7 +324,7 @@ def test_temperature_top_k_top_p_give_the_distribution_they_define(llm, args, ti
     """The first answer token over 400 seeds against the distribution the flags define on transformers' logits:
     softmax(logits / temperature), cut to the top-k, then to the smallest set whose mass reaches top-p, renormalised.
     Every sample lies in that set and the frequencies match it; the other temperature's set or frequencies do not."""
-    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
+    model = base_weights_in(llm, tiny_model_dir)
     prompt = SEQUENCE[:7]
     logits = model(torch.tensor([prompt])).logits[0, -1].double()
 
