@@ -120,12 +120,14 @@ def write_jsonl(path, rows):
 CARRY_DROP, SLIP = 0.7, 0.1  # the error-prone writer: the misconception's rate, the random slips' rate per column
 
 
-def write_trace(a, b, rng=None, carry_drop=0.0, slip=0.0):
+def write_trace(a, b, rng=None, carry_drop=0.0, slip=0.0, prefer=None):
     """The column scratchpad of a+b, right to left, "x+y=s" or "x+y+1=s" with an incoming carry, then the boxed
     answer the columns give. A writer with `carry_drop` drops an incoming carry into a column that carries again
     (x + y + 1 >= 10) with that probability (it writes "x+y=s" with s = x + y); with `slip` it writes a column's
     sum off by one (either way, kept within 0..19). The trace is always self-consistent: each column's written sum
-    decides its digit and the carry out, so a wrong column makes a wrong answer."""
+    decides its digit and the carry out, so a wrong column makes a wrong answer. With `prefer` (the clip ablation's
+    writers, tests/miniature/clip) each step has two valid forms and the first is taken with that probability:
+    "x+y" or "y+x" in each column, ", " or " " between columns, "so " or nothing before the box."""
     columns, digits, carry = [], [], 0
     for i in range(3):
         x, y = a // 10 ** i % 10, b // 10 ** i % 10
@@ -135,11 +137,16 @@ def write_trace(a, b, rng=None, carry_drop=0.0, slip=0.0):
         s = x + y + c
         if slip and rng.random() < slip:
             s = s + 1 if s == 0 or (s < 19 and rng.random() < 0.5) else s - 1
-        columns.append(f"{x}+{y}+1={s}" if c else f"{x}+{y}={s}")
+        first, second = (x, y) if prefer is None or rng.random() < prefer else (y, x)
+        columns.append(f"{first}+{second}+1={s}" if c else f"{first}+{second}={s}")
         digits.append(s % 10)
         carry = s // 10
     answer = ("1" if carry else "") + "".join(str(d) for d in reversed(digits))
-    return " ".join(columns) + f" \\boxed{{{int(answer)}}}"
+    if prefer is None:
+        return " ".join(columns) + f" \\boxed{{{int(answer)}}}"
+    seps = [", " if rng.random() < prefer else " " for _ in columns[1:]]
+    body = columns[0] + "".join(sep + col for sep, col in zip(seps, columns[1:]))
+    return body + (" so" if rng.random() < prefer else "") + f" \\boxed{{{int(answer)}}}"
 
 
 def correct_trace(a, b):
@@ -202,7 +209,8 @@ def teacher_prompt(tok, problem, context):
 # Tokenizer and model: digits are single tokens, the chat template is the tests' Qwen3-style one
 
 
-def build_tokenizer(train):
+def build_tokenizer(train, trace=lambda row: row["trace"]):
+    """A byte-level BPE of vocabulary 512, every digit its own token, learnt from prompts and `trace(row)`s."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -212,8 +220,8 @@ def build_tokenizer(train):
     bpe.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(vocab_size=512, special_tokens=SPECIAL_TOKENS, show_progress=False,
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    lines = [opsd.teacher_message(r["problem"], r["solution"]) + " " + r["trace"] for r in train[:200]]
-    lines += [opsd.eval_message(r["problem"]) + " " + r["trace"] for r in train[:200]]
+    lines = [opsd.teacher_message(r["problem"], r["solution"]) + " " + trace(r) for r in train[:200]]
+    lines += [opsd.eval_message(r["problem"]) + " " + trace(r) for r in train[:200]]
     lines += [opsd.student_message(r["problem"]) for r in train[:50]]
     bpe.train_from_iterator(lines, trainer)
     tok = PreTrainedTokenizerFast(tokenizer_object=bpe, eos_token="<|im_end|>", pad_token="<|endoftext|>",
@@ -299,11 +307,14 @@ def answer_loss(model, batch, pad_id):
     return loss
 
 
-def pretrain(out_dir, train, dev, heldout, *, seed, steps=PRETRAIN["steps"], teacher_terse=0.0):
+def pretrain(out_dir, train, dev, heldout, *, seed, steps=PRETRAIN["steps"], teacher_terse=0.0, example=None,
+             trace=None, writer=None):
     """Pre-train a fresh model (init and batches seeded by `seed`) on the training split only; save it with its
-    pre-training record and acceptance figures (see ACCEPT) in miniature.json."""
+    pre-training record and acceptance figures (see ACCEPT) in miniature.json. Another experiment's model passes its
+    own `example(tok, row, fmt, rng)`, the `trace(row)` its tokenizer learns from and the `writer` it records."""
     t0 = time.perf_counter()
-    tok = build_tokenizer(train)
+    example = example or (lambda tok, row, fmt, rng: pretrain_example(tok, row, fmt, rng, teacher_terse))
+    tok = build_tokenizer(train, **({"trace": trace} if trace else {}))
     model = build_model(tok, seed)
     bs, lr = PRETRAIN["batch_size"], PRETRAIN["lr"]
     print(f"pre-training a {sum(p.numel() for p in model.parameters()):,}-parameter Qwen3 (vocab {len(tok)}, seed "
@@ -311,14 +322,13 @@ def pretrain(out_dir, train, dev, heldout, *, seed, steps=PRETRAIN["steps"], tea
     rng, g = random.Random(seed), torch.Generator().manual_seed(seed)
     # the convergence figure: the answer loss on dev problems in all four formats, writer draws fixed by seed 0
     dev_rng = random.Random(0)
-    dev_batch = [pretrain_example(tok, r, fmt, dev_rng, teacher_terse) for r in dev[:64] for fmt in FORMATS]
+    dev_batch = [example(tok, r, fmt, dev_rng) for r in dev[:64] for fmt in FORMATS]
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.0)
     model.train()
     losses = []
     for step in range(steps):
         picks = torch.randint(len(train) * len(FORMATS), (bs,), generator=g).tolist()  # an equal mix of formats
-        batch = [pretrain_example(tok, train[k // len(FORMATS)], FORMATS[k % len(FORMATS)], rng, teacher_terse)
-                 for k in picks]
+        batch = [example(tok, train[k // len(FORMATS)], FORMATS[k % len(FORMATS)], rng) for k in picks]
         loss = batch_loss(model, batch, tok.pad_token_id)
         for group in optimizer.param_groups:
             group["lr"] = opsd.lr_at(step, lr=lr, max_steps=steps, warmup_steps=PRETRAIN["warmup"])
@@ -339,7 +349,7 @@ def pretrain(out_dir, train, dev, heldout, *, seed, steps=PRETRAIN["steps"], tea
     info = {"task_seed": TASK_SEED, "train_digest": split_digest(train), "dev_digest": split_digest(dev),
             "heldout_digest": split_digest(heldout), "pretrain_seed": seed, "pretrain_steps": steps,
             **{k: v for k, v in PRETRAIN.items() if k != "steps"}, "teacher_terse": teacher_terse,
-            "writer": {"carry_drop": CARRY_DROP, "slip": SLIP}, "pretrain_seconds": round(seconds, 1),
+            "writer": writer or {"carry_drop": CARRY_DROP, "slip": SLIP}, "pretrain_seconds": round(seconds, 1),
             "dev_answer_loss": losses, "dev": figures, "accepted": verdict["accepted"], "why": verdict["why"]}
     (out_dir / TASK_FILE).write_text(json.dumps(info, indent=2) + "\n")
     print(json.dumps({"dev": figures, **verdict}, indent=1), flush=True)

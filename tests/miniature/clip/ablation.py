@@ -1,0 +1,548 @@
+"""The clip ablation in a scale-matched miniature: --clip entry, token and none at tau 0.05, each with and without the
+first answer position, in a regime whose step-1 KL profile matches Qwen3-1.7B's. tests/miniature/clip/README.md holds
+the protocol (committed before any arm ran) and the results.
+
+    python tests/miniature/clip/ablation.py --pretrain --output-dir tests/miniature/clip/model   # the starting model
+    python tests/miniature/clip/ablation.py --profile                 # its step-1 rollouts and KL profile
+
+The lever: every step of the scratchpad has two valid forms ("x+y" or "y+x" in a column, ", " or " " between columns,
+"so" or nothing before the box). The error-prone writer (the student's pre-training data) takes either with
+probability 1/2; the teacher shown the reference writes the first with probability PREFER_TEACHER. So besides the
+carry positions (where the teacher, who knows the sum, is near-certain) about six positions per answer carry a
+moderate, learnable disagreement, at which the teacher is uncertain: what a third of the positions look like at 1.7B.
+"""
+
+import argparse
+import json
+import random
+import sys
+from pathlib import Path
+
+import torch
+
+HERE = Path(__file__).resolve().parent  # tests/miniature/clip: this script, its model and its records
+sys.path[:0] = [str(HERE.parent), str(HERE.parent.parent.parent)]
+
+import miniature  # noqa: E402  (the reasoning miniature: the task, its split, pre-training, prompts, scoring)
+import opsd  # noqa: E402
+
+MODEL = HERE / "model"
+PREFER_WRITER, PREFER_TEACHER = 0.5, 0.75  # the probability of each step's first form
+PRETRAIN_SEED = 1
+REFERENCE = HERE / "reference_step.json"
+# the released recipe at Qwen3-1.7B (the researcher's logs, loss temperature 1.1, tau 0.05) and the window the
+# protocol asks the step-1 profile to fall in: within a factor of 1.5 of each
+AT_SCALE = {"kl_mean": 0.10, "frac_above_tau": 0.35, "clipped_mass_above_tau": (0.50, 0.80)}
+MATCH_FACTOR = 1.5
+
+
+# -----------------------------------------------------------------------------
+# The starting model: the reasoning miniature's pre-training with the two writers' forms
+
+
+def writer_trace(a, b, rng):
+    return miniature.write_trace(a, b, rng, miniature.CARRY_DROP, miniature.SLIP, prefer=PREFER_WRITER)
+
+
+def teacher_trace(a, b, rng, prefer=None):
+    return miniature.write_trace(a, b, rng, prefer=prefer or PREFER_TEACHER)
+
+
+def pretrain_example(tok, row, fmt, rng, prefer_teacher=None):
+    """(prompt ids, answer ids): the reasoning miniature's four formats, the teacher shown the reference writing
+    correct traces in its preferred forms, the others the error-prone writer's traces with either form."""
+    a, b = miniature.operands(row["problem"])
+    if fmt == "teacher":
+        return (miniature.teacher_prompt(tok, row["problem"], row.get("solution", f"{a}+{b}={a + b}")),
+                miniature.answer_ids(tok, teacher_trace(a, b, rng, prefer_teacher)))
+    prompt = {"student": miniature.student_prompt, "transfer": miniature.transfer_prompt}.get(fmt)
+    prompt = prompt(tok, row["problem"]) if prompt else miniature.teacher_prompt(tok, row["problem"], "")
+    return prompt, miniature.answer_ids(tok, writer_trace(a, b, rng))
+
+
+def pretrain(out, seed=PRETRAIN_SEED, prefer_teacher=PREFER_TEACHER):
+    train, dev, heldout = miniature.make_task()
+    tokenizer_rng = random.Random(0)
+    writer = {"carry_drop": miniature.CARRY_DROP, "slip": miniature.SLIP, "prefer_writer": PREFER_WRITER,
+              "prefer_teacher": prefer_teacher}
+    example = lambda tok, row, fmt, rng: pretrain_example(tok, row, fmt, rng, prefer_teacher)  # noqa: E731
+    return miniature.pretrain(out, train, dev, heldout, seed=seed, example=example, writer=writer,
+                              trace=lambda r: writer_trace(*miniature.operands(r["problem"]), tokenizer_rng))
+
+
+# -----------------------------------------------------------------------------
+# The step-1 profile
+
+
+@torch.no_grad()
+def position_figures(model_dir, rows, temperature, tau):
+    """Per completion position of `rows`, from the unchanged model (student and teacher both the base model):
+    KL(p_T || p_S), the teacher mass the entry clip clamps (entries with p_T(v) log(p_T(v) / p_S(v)) > tau), the
+    teacher's top probability, all at the loss temperature, float64 from the float32 logits; (N,) each."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    kl, clipped, top = [], [], []
+    for r in rows:
+        n = len(r["completion_ids"])
+        logits = {}
+        for side in ("student", "teacher"):
+            ids = torch.tensor([r[f"{side}_prompt_ids"] + r["completion_ids"]])
+            logits[side] = model(input_ids=ids).logits[0, -n - 1:-1].double() / temperature  # (n, V)
+        log_s, log_t = logits["student"].log_softmax(-1), logits["teacher"].log_softmax(-1)
+        d = log_t.exp() * (log_t - log_s)
+        kl.append(d.sum(-1))
+        clipped.append((log_t.exp() * (d > tau)).sum(-1))
+        top.append(log_t.exp().max(-1).values)
+    return torch.cat(kl), torch.cat(clipped), torch.cat(top)
+
+
+def step1_profile(reference=REFERENCE, model_dir=MODEL):
+    """The step-1 figures the protocol matches against Qwen3-1.7B's, from the committed step-1 rollouts."""
+    ref = json.loads(Path(reference).read_text())
+    tau, temperature = ref["settings"]["tau"], ref["settings"]["temperature"]
+    kl, clipped, top = position_figures(model_dir, ref["rows"], temperature, tau)
+    above = kl > tau
+    got = {"kl_mean": kl.mean().item(), "frac_above_tau": above.double().mean().item(),
+           "clipped_mass_above_tau": clipped[above].mean().item()}
+    low, high = AT_SCALE["clipped_mass_above_tau"]
+    window = {"kl_mean": (AT_SCALE["kl_mean"] / MATCH_FACTOR, AT_SCALE["kl_mean"] * MATCH_FACTOR),
+              "frac_above_tau": (AT_SCALE["frac_above_tau"] / MATCH_FACTOR, AT_SCALE["frac_above_tau"] * MATCH_FACTOR),
+              "clipped_mass_above_tau": (low / MATCH_FACTOR, min(1.0, high * MATCH_FACTOR))}
+    lengths = [len(r["completion_ids"]) for r in ref["rows"]]
+    bins = {}  # the positions above tau by their KL: the forms' moderate disagreement, the carries' large one
+    for low_kl, high_kl in ((tau, 0.1), (0.1, 0.5), (0.5, float("inf"))):
+        m = (kl > low_kl) & (kl <= high_kl)
+        bins[f"{low_kl:g}-{high_kl:g}"] = {"positions": int(m.sum()), "clipped_mass": clipped[m].mean().item(),
+                                           "teacher_top_prob": top[m].mean().item()}
+    return {"positions": len(kl), "tau": tau, "temperature": temperature, **got,
+            "teacher_top_prob_above_tau": top[above].mean().item(),
+            "clipped_mass_mean": clipped.mean().item(), "above_tau_by_kl": bins,
+            "histogram": miniature.kl_profile(kl.float(), lengths, tau),
+            "at_scale": AT_SCALE, "window": window,
+            "matched": all(lo <= got[k] <= hi for k, (lo, hi) in window.items())}
+
+
+def write_profile(model_dir=MODEL, reference=REFERENCE):
+    """Sample the step-1 rollouts (opsd.py's first step, --seed 1) into reference_step.json, unless it holds this
+    model's already, and write the profile."""
+    reference = Path(reference)
+    if not (reference.is_file() and json.loads(reference.read_text())["model_sha256_16"]
+            == miniature.model_digest(model_dir)):
+        miniature.write_reference_step(reference, model_dir)  # also writes the reasoning miniature's step1_kl.json
+    profile = step1_profile(reference, model_dir)
+    (Path(reference).parent / "step1_profile.json").write_text(json.dumps(profile, indent=1) + "\n")
+    print(json.dumps({k: v for k, v in profile.items() if k != "histogram"}, indent=1))
+    return profile
+
+
+# -----------------------------------------------------------------------------
+# The arms: opsd.py at tau 0.05 with each clip, with and without the first answer position; GRPO from the reasoning
+# miniature's implementation at this budget. Names say clip and skip.
+
+TAU, SECOND_TAU = 0.05, 0.2
+STEPS, PROMPTS, EVERY, WARMUP = 100, 16, 10, 10  # 100 optimizer steps (the recipe's) of 16 prompts, a checkpoint every 10
+SEEDS, GRPO_SEEDS = (1, 2, 3, 4, 5), (1, 2, 3)
+GRPO_GROUP = 8  # 2 prompts x 8 samples: the same 16 completions a step as the OPSD arms
+CLIPS = ("entry", "token", "none")
+ARMS = {f"{clip}{'-skip1' if skip else ''}": ("opsd", clip, TAU, skip) for clip in CLIPS for skip in (0, 1)}
+ARMS["grpo"] = ("grpo", None, None, 0)
+LR_GRID = miniature.LR_GRID  # 2e-3, 5e-3, 1.25e-2, extended by the rule (x2.5, at most twice beyond an edge)
+# each family's lr chosen on dev by the rule (selection.json here); None until the selection has run
+CHOSEN_LR = {"entry": None, "token": None, "none": None, "grpo": None}
+EVAL_N, EVAL_SEED = 2, 100  # held-out avg@2; a training seed s is scored with eval seed EVAL_SEED + s
+DEV_SEED = 42  # the selection's dev scoring (eval.py's default seed)
+FLAGS = ["--device", "cpu", "--dtype", "float32", "--lora-r", str(miniature.LORA_R), "--lora-alpha",
+         str(miniature.LORA_ALPHA), "--prompts-per-step", str(PROMPTS), "--micro-batch-size", str(PROMPTS),
+         "--max-new-tokens", str(miniature.MAX_NEW_TOKENS), "--max-prompt-length", "256", "--no-gradient-checkpointing",
+         "--max-grad-norm", str(miniature.MAX_GRAD_NORM), "--log-rollouts-every", "50", "--kl-window", "1",
+         "--warmup-steps", str(WARMUP), "--context-column", "solution", *miniature.STUDENT_FLAGS]
+
+
+def family(arm):
+    return ARMS[arm][1] or "grpo" if arm in ARMS else arm.split("@")[0].removesuffix("-skip1")
+
+
+def arm_settings(arm):
+    """(kind, clip, tau, skip) of an arm name: the ARMS above, or CLIP@TAU[-skip1] at the second tau."""
+    if arm in ARMS:
+        return ARMS[arm]
+    clip_tau, _, skip = arm.partition("-")
+    clip, tau = clip_tau.split("@")
+    return "opsd", clip, float(tau), int(skip == "skip1")
+
+
+def opsd_command(model_dir, train_file, arm, seed, lr, out_dir):
+    _, clip, tau, skip = arm_settings(arm)
+    return [sys.executable, str(miniature.ROOT / "opsd.py"), "--model", str(model_dir), "--dataset", str(train_file),
+            "--clip", clip, "--tau", str(tau), "--skip-first-tokens", str(skip), "--max-steps", str(STEPS),
+            "--lr", str(lr), "--seed", str(seed), "--save-every", str(EVERY), "--output-dir", str(out_dir), *FLAGS]
+
+
+def train(model_dir, train_file, arm, seed, lr, run):
+    """Train one arm and seed into `run` (checkpoints every EVERY steps, final/); an interrupted opsd.py run resumes
+    from its last checkpoint, an interrupted GRPO run starts over. Returns the seconds, None when kept."""
+    if (run / "final").is_dir():
+        return None
+    if arm_settings(arm)[0] == "grpo":
+        job = {"model_dir": str(model_dir), "train_file": str(train_file), "seed": seed, "lr": lr, "out_dir": str(run)}
+        return miniature.run_logged([sys.executable, str(Path(__file__).resolve()), "--grpo-job", json.dumps(job)],
+                                    miniature.log_path(run))
+    resumable = opsd.latest_checkpoint(run) is not None
+    return miniature.run_logged(opsd_command(model_dir, train_file, arm, seed, lr, run)
+                                + ["--resume" if resumable else "--overwrite"],
+                                miniature.log_path(run, "resumed" if resumable else ""))
+
+
+def grpo_job(job):
+    """One GRPO training at this budget, in its own process (its engine apart from the scorer's): the reasoning
+    miniature's train_grpo with 16 completions a step, 2 prompts x GRPO_GROUP samples."""
+    miniature.COMPLETIONS_PER_STEP, miniature.GRPO_PROMPTS = PROMPTS, PROMPTS // GRPO_GROUP
+    miniature.OPSD_FLAGS = [*miniature.OPSD_FLAGS]
+    miniature.OPSD_FLAGS[miniature.OPSD_FLAGS.index("--prompts-per-step") + 1] = str(PROMPTS)
+    miniature.OPSD_FLAGS[miniature.OPSD_FLAGS.index("--micro-batch-size") + 1] = str(PROMPTS)
+    miniature.train_grpo(Path(job["model_dir"]), Path(job["train_file"]), job["seed"], STEPS, job["lr"],
+                         Path(job["out_dir"]), EVERY)
+
+
+def checkpoints(run):
+    return [(step, run / ("final" if step == STEPS else f"checkpoint-{step}")) for step in range(EVERY, STEPS + 1, EVERY)]
+
+
+def score_curve(scorer, rows, run, base, seed, name):
+    """[[step, sampled tokens so far, accuracy, correct samples, no-scratchpad share, mean answer tokens]] at step 0
+    (the base model, `base`) and every checkpoint; each point eval.py's avg@EVAL_N sample for sample (seed, name)."""
+    metrics = {r["step"]: r for r in miniature.read_metrics(run)}
+    points, tokens = [[0, 0, *base]], 0
+    for step in range(1, STEPS + 1):
+        r = metrics[step]
+        tokens += r.get("sampled_tokens", r.get("completion_len_mean", 0) * PROMPTS)
+        if step % EVERY == 0:
+            s = scorer.score(rows, run / ("final" if step == STEPS else f"checkpoint-{step}"), n=EVAL_N, seed=seed,
+                             name=name)
+            points.append([step, round(tokens), s["avg"], round(s["avg"] * len(rows) * EVAL_N), s["no_scratchpad"],
+                           s["tokens_mean"]])
+    return points
+
+
+def base_point(scorer, rows, seed, name):
+    s = scorer.score(rows, None, n=EVAL_N, seed=seed, name=name)
+    return [s["avg"], round(s["avg"] * len(rows) * EVAL_N), s["no_scratchpad"], s["tokens_mean"]]
+
+
+KL_FIELDS = ("kl_mean", "kl_frac_above_tau", "kl_clipped_teacher_mass", "kl_first_token", "loss",
+             "completion_len_mean")
+
+
+def kl_curve(run):
+    """Per step, from metrics.jsonl: [step, kl_mean, share above tau, clipped teacher mass, first position KL, loss,
+    answer length] (each step's own: --kl-window 1)."""
+    return [[r["step"], *(r.get(k) for k in KL_FIELDS)] for r in miniature.read_metrics(run)]
+
+
+def eval_final(model_dir, heldout_file, run, seed):
+    """eval.py itself on the final adapter (its samples and summary kept beside the run), eval seed EVAL_SEED + seed."""
+    out = run.parent / f"{run.name}-eval"
+    finished = (out / "summary.json").is_file()
+    cmd = [sys.executable, str(miniature.ROOT / "eval.py"), "--model", str(model_dir), "--data",
+           f"heldout={heldout_file}", "--n", str(EVAL_N), "--max-new-tokens", str(miniature.MAX_NEW_TOKENS),
+           "--dtype", "float32", "--enforce-eager", "--output-dir", str(out), "--no-thinking", "--seed",
+           str(EVAL_SEED + seed), "--adapter", str(run / "final")]
+    out.mkdir(parents=True, exist_ok=True)
+    seconds = miniature.run_logged(cmd, miniature.log_path(out, "resumed" if finished else ""))
+    return json.loads((out / "summary.json").read_text())["metrics"]["heldout"][f"avg@{EVAL_N}"], \
+        None if finished else seconds
+
+
+class Scorers:
+    """One DevScorer (a vLLM engine serving each checkpoint as a LoRA adapter) for the whole run."""
+
+    def __init__(self, model_dir):
+        self.model_dir, self.scorer = model_dir, None
+
+    def __call__(self):
+        self.scorer = self.scorer or miniature.DevScorer(self.model_dir)
+        return self.scorer
+
+
+def run_dir(out, arm, seed, lr=None):
+    return out / (arm.replace("@", "-tau") + (f"-lr{lr:g}" if lr is not None else "") + f"-s{seed}")
+
+
+def select(out, arms, lrs, model_dir, files, dev):
+    """Dev selection, seed 1: each family's arm (entry, token, none, grpo: no skip) at each lr, a dev curve each."""
+    path = out / "selection.json"
+    selection = json.loads(path.read_text()) if path.is_file() else {"model": str(model_dir), "steps": STEPS,
+                                                                      "every": EVERY, "runs": {}}
+    scorer = Scorers(model_dir)
+    if "base" not in selection:
+        selection["base"] = base_point(scorer(), dev, DEV_SEED, "dev")
+    base = {"avg": selection["base"][0]}
+    for arm in arms:
+        for lr in lrs:
+            name = run_dir(out, arm, 1, lr).name
+            if name in selection["runs"]:
+                continue
+            run = out / name
+            seconds = train(model_dir, files["train"], arm, 1, lr, run)
+            points = score_curve(scorer(), dev, run, selection["base"], DEV_SEED, "dev")
+            # choose_lrs reads [step, tokens, seconds, accuracy]: the accuracy at index 3
+            selection["runs"][name] = {"arm": arm, "family": family(arm), "lr": lr, "seed": 1, "seconds": seconds,
+                                       "curve": [[p[0], p[1], None, p[2], *p[3:]] for p in points],
+                                       "kl": kl_curve(run)}
+            path.write_text(json.dumps(selection, indent=1) + "\n")
+            print(f"{name}: dev " + ", ".join(f"{p[0]}:{100 * p[2]:.1f}" for p in points) + f" ({seconds or 0:.0f}s)",
+                  flush=True)
+    selection["chosen"] = miniature.choose_lrs(selection)
+    path.write_text(json.dumps(selection, indent=1) + "\n")
+    print(miniature.format_selection(selection))
+    return selection
+
+
+def lr_of(arm):
+    lr = CHOSEN_LR[family(arm)]
+    if lr is None:
+        raise SystemExit(f"no learning rate chosen on dev for {family(arm)} yet: run --select first and set CHOSEN_LR.")
+    return lr
+
+
+def experiment(out, arms, seeds, model_dir, files, heldout):
+    """Each arm and seed, seed by seed (every arm's first seed before any arm's second): train, the held-out curve
+    (every checkpoint, eval seed EVAL_SEED + seed), eval.py on the final adapter, the per-step KL figures. Finished
+    pieces are kept; results.json is rewritten after each run."""
+    scorer = Scorers(model_dir)
+    path = out / "results.json"
+    results = json.loads(path.read_text()) if path.is_file() else {"runs": {}, "base": {}}
+    for i, arm in sorted((i, arm) for arm in arms for i in range(len(seeds[arm]))):
+        seed = seeds[arm][i]
+        run = run_dir(out, arm, seed)
+        key = f"{arm}/s{seed}"
+        if key in results["runs"]:
+            continue
+        if str(seed) not in results["base"]:  # the base model under this seed's evaluation samples
+            results["base"][str(seed)] = base_point(scorer(), heldout, EVAL_SEED + seed, "heldout")
+        seconds = train(model_dir, files["train"], arm, seed, lr_of(arm), run)
+        points = score_curve(scorer(), heldout, run, results["base"][str(seed)], EVAL_SEED + seed, "heldout")
+        final, eval_seconds = eval_final(model_dir, files["heldout"], run, seed)
+        if abs(final - points[-1][2]) > 1e-9:  # the same samples by construction: a difference is a finding
+            print(f"{run.name}: eval.py scored {final}, the scorer's last point {points[-1][2]}", flush=True)
+        results["runs"][key] = {"arm": arm, "seed": seed, "lr": lr_of(arm), "heldout_avg": final,
+                                "scorer_equals_eval": abs(final - points[-1][2]) <= 1e-9,
+                                "curve": points, "kl": kl_curve(run), "seconds": seconds, "eval_seconds": eval_seconds}
+        path.write_text(json.dumps(results, indent=1) + "\n")
+        print(f"{run.name}: held-out " + ", ".join(f"{p[0]}:{100 * p[2]:.1f}" for p in points)
+              + f" | kl_mean step 1 {results['runs'][key]['kl'][0][1]:.3f}, step {STEPS} "
+              f"{results['runs'][key]['kl'][-1][1]:.4f} ({seconds or 0:.0f}s)", flush=True)
+    return results
+
+
+# -----------------------------------------------------------------------------
+# The statistics
+
+
+def clopper_pearson(k, n, level=0.95):
+    """The exact binomial interval of k successes in n trials, by bisection on the binomial tail."""
+    from math import exp, lgamma, log
+
+    def tail_at_least(p, j):  # P(X >= j), X ~ Binomial(n, p)
+        if j <= 0:
+            return 1.0
+        if p <= 0.0:
+            return 0.0
+        if p >= 1.0:
+            return 1.0
+        return sum(exp(lgamma(n + 1) - lgamma(i + 1) - lgamma(n - i + 1) + i * log(p) + (n - i) * log(1 - p))
+                   for i in range(j, n + 1))
+
+    def solve(f, target):  # f increasing in p
+        lo, hi = 0.0, 1.0
+        for _ in range(60):
+            mid = (lo + hi) / 2
+            lo, hi = (mid, hi) if f(mid) < target else (lo, mid)
+        return (lo + hi) / 2
+
+    alpha = 1 - level
+    low = 0.0 if k == 0 else solve(lambda p: tail_at_least(p, k), alpha / 2)
+    high = 1.0 if k == n else solve(lambda p: tail_at_least(p, k + 1), 1 - alpha / 2)
+    return low, high
+
+
+def area(points):
+    """Mean accuracy over the checkpoints after step 0: the area under the curve, rewarding the earlier gain."""
+    return sum(p[2] for p in points[1:]) / (len(points) - 1)
+
+
+def analyze(results, problems):
+    """Per arm: final held-out (eval.py) and area per seed, their means and t-intervals over seeds (each seed its
+    own evaluation samples, so the interval holds the evaluation's noise too), the pooled exact binomial interval
+    of the final samples; the best arm by the protocol's primary score and its paired differences to each arm;
+    the KL figures' first and last ten steps."""
+    by_arm = {}
+    for r in results["runs"].values():
+        by_arm.setdefault(r["arm"], []).append(r)
+    arms = [a for a in list(ARMS) + sorted(set(by_arm) - set(ARMS)) if a in by_arm]
+    table = {"arms": arms, "seeds": {}, "heldout_avg": {}, "heldout_area": {}, "stats": {}, "kl": {}}
+    samples = problems * EVAL_N
+    for arm in arms:
+        runs = sorted(by_arm[arm], key=lambda r: r["seed"])
+        table["seeds"][arm] = [r["seed"] for r in runs]
+        table["heldout_avg"][arm] = [r["heldout_avg"] for r in runs]
+        table["heldout_area"][arm] = [area(r["curve"]) for r in runs]
+        k = sum(round(v * samples) for v in table["heldout_avg"][arm])
+        mean, half = miniature.mean_interval(table["heldout_avg"][arm])
+        amean, ahalf = miniature.mean_interval(table["heldout_area"][arm])
+        table["stats"][arm] = {"mean": mean, "ci95": half, "area_mean": amean, "area_ci95": ahalf,
+                               "pooled_correct": k, "pooled_samples": samples * len(runs),
+                               "pooled_exact95": clopper_pearson(k, samples * len(runs))}
+        table["kl"][arm] = {}
+        for j, field in enumerate(KL_FIELDS[:3], start=1):  # kl_mean, share above tau, clipped teacher mass
+            per_seed = [[row[j] for row in r["kl"]] for r in runs]
+            per_step = [sum(v[t] for v in per_seed) / len(per_seed) for t in range(min(map(len, per_seed)))]
+            table["kl"][arm][field] = {"first10": sum(per_step[:10]) / 10, "last10": sum(per_step[-10:]) / 10,
+                                       "per_step_seed_mean": per_step}
+    base = [v[0] for _, v in sorted(results["base"].items())]
+    table["base"] = {"heldout_avg": base, "mean": sum(base) / len(base)}
+    best_final = max(table["stats"][a]["mean"] for a in arms)
+    table["primary"] = "heldout_avg" if best_final < CEILING else "heldout_area"
+    key = table["primary"]
+    opsd_arms = [a for a in arms if arm_settings(a)[0] == "opsd"]
+    best = max(opsd_arms, key=lambda a: sum(table[key][a]) / len(table[key][a])) if opsd_arms else None
+    table["best_opsd_arm"] = best
+    table["paired_vs_best"] = {k: {a: miniature.paired(table[k][best], table[k][a], table["seeds"][best],
+                                                       table["seeds"][a]) for a in arms if a != best}
+                               for k in ("heldout_avg", "heldout_area")} if best else {}
+    return table
+
+
+CEILING = 0.95  # at or above it (the best arm's mean final held-out score) the area decides instead
+
+
+def format_results(table):
+    lines = [f"held-out avg@{EVAL_N} in % (400 problems, eval seed {EVAL_SEED} + seed); base "
+             f"{100 * table['base']['mean']:.1f}; primary score: {table['primary']}",
+             f"{'arm':<16}{'seeds':>6}{'final':>8}{'95% CI':>14}{'pooled exact 95%':>20}{'area':>8}{'95% CI':>14}"
+             f"   kl_mean first10 -> last10   clipped mass   per seed (final)"]
+    for arm in table["arms"]:
+        st, kl = table["stats"][arm], table["kl"][arm]
+        ci = lambda m, h: f"{100 * (m - h):.1f}..{100 * (m + h):.1f}" if h is not None else "-"  # noqa: E731
+        lo, hi = st["pooled_exact95"]
+        lines.append(f"{arm:<16}{len(table['seeds'][arm]):>6}{100 * st['mean']:>8.1f}{ci(st['mean'], st['ci95']):>14}"
+                     f"{f'{100 * lo:.1f}..{100 * hi:.1f}':>20}{100 * st['area_mean']:>8.1f}"
+                     f"{ci(st['area_mean'], st['area_ci95']):>14}"
+                     f"   {kl['kl_mean']['first10']:.3f} -> {kl['kl_mean']['last10']:.3f}"
+                     f"   {kl['kl_clipped_teacher_mass']['first10']:.3f} -> {kl['kl_clipped_teacher_mass']['last10']:.3f}"
+                     f"   " + " ".join(f"{100 * v:.1f}" for v in table["heldout_avg"][arm]))
+    best = table["best_opsd_arm"]
+    for key in ("heldout_avg", "heldout_area"):
+        pairs = table["paired_vs_best"].get(key, {})
+        lines.append(f"paired, {best} minus each ({key}, points, 95% t-interval over seeds): " + "; ".join(
+            f"{a} {100 * d['mean']:+.1f} +- {100 * d['ci95']:.1f}" if d and d["ci95"] is not None else f"{a} -"
+            for a, d in pairs.items()))
+    return "\n".join(lines)
+
+
+def plot(results, table, path):
+    """Held-out accuracy by step (seed means), kl_mean and the clipped teacher mass by step, per arm."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
+    for arm in table["arms"]:
+        runs = [r for r in results["runs"].values() if r["arm"] == arm]
+        steps = [p[0] for p in runs[0]["curve"]]
+        acc = [100 * sum(r["curve"][j][2] for r in runs) / len(runs) for j in range(len(steps))]
+        style = "--" if "skip1" in arm else "-"
+        line, = axes[0].plot(steps, acc, style, marker="o", ms=3, label=f"{arm} ({len(runs)} seeds)")
+        for ax, field in zip(axes[1:], ("kl_mean", "kl_clipped_teacher_mass")):
+            if arm_settings(arm)[0] == "opsd":
+                v = table["kl"][arm][field]["per_step_seed_mean"]
+                ax.plot(range(1, len(v) + 1), v, style, color=line.get_color(), label=arm)
+    axes[0].set(xlabel="optimizer step", ylabel=f"held-out avg@{EVAL_N}, training format (%)", ylim=(-2, 102))
+    axes[1].set(xlabel="optimizer step", ylabel="kl_mean (each step's, loss temperature)", yscale="log")
+    axes[2].set(xlabel="optimizer step", ylabel="teacher mass the entry clip clamps (mean per position)")
+    axes[0].legend(fontsize=7)
+    axes[1].legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(prog="ablation.py", description=__doc__.split("\n\n")[0])
+    p.add_argument("--output-dir", help="where the runs and their records go")
+    p.add_argument("--pretrain", action="store_true", help="pre-train the starting model into --output-dir")
+    p.add_argument("--pretrain-seed", type=int, default=PRETRAIN_SEED)
+    p.add_argument("--prefer-teacher", type=float, default=PREFER_TEACHER,
+                   help="with --pretrain: how often the teacher shown the reference takes each step's first form")
+    p.add_argument("--profile", action="store_true", help="the step-1 rollouts and KL profile of --model")
+    p.add_argument("--model", default=str(MODEL), help="the starting model (default: the committed one)")
+    p.add_argument("--reference", default=str(REFERENCE), help="with --profile: where the step-1 rollouts go")
+    p.add_argument("--select", action="store_true", help="dev selection of each family's lr (seed 1, --lrs)")
+    p.add_argument("--lrs", default=",".join(f"{lr:g}" for lr in LR_GRID))
+    p.add_argument("--arms", default=None, help=f"comma-separated, of {', '.join(ARMS)} or CLIP@TAU[-skip1] "
+                                                "(default: every arm; --select: entry,token,none,grpo)")
+    p.add_argument("--seeds", default=None, help="comma-separated (default: 1-5, grpo 1-3)")
+    p.add_argument("--analyze", action="store_true", help="only the tables and figure of --output-dir's results")
+    p.add_argument("--grpo-job", default=None, help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args.grpo_job or args.profile:
+        return args
+    if not args.output_dir:
+        p.error("--output-dir is required.")
+    if args.pretrain or args.analyze:
+        return args
+    default = "entry,token,none,grpo" if args.select else ",".join(ARMS)
+    args.arms = [a.strip() for a in (args.arms or default).split(",")]
+    for arm in args.arms:
+        try:
+            kind, clip, tau, _ = arm_settings(arm)
+        except ValueError:
+            p.error(f"--arms: {arm!r} is neither one of {', '.join(ARMS)} nor CLIP@TAU[-skip1].")
+        if kind == "opsd" and (clip not in CLIPS or not tau > 0):
+            p.error(f"--arms: {arm!r} names no clip of {', '.join(CLIPS)} with a positive tau.")
+    seeds = [int(x) for x in args.seeds.split(",")] if args.seeds else None
+    args.seeds = {arm: seeds or list(GRPO_SEEDS if arm == "grpo" else SEEDS) for arm in args.arms}
+    args.lrs = [float(x) for x in args.lrs.split(",")]
+    return args
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    if args.grpo_job:
+        return grpo_job(json.loads(args.grpo_job))
+    if args.pretrain:
+        return pretrain(Path(args.output_dir), args.pretrain_seed, args.prefer_teacher)
+    if args.profile:
+        return write_profile(Path(args.model), Path(args.reference))
+    out, model_dir = Path(args.output_dir), Path(args.model)
+    train_rows, dev, heldout = miniature.make_task()
+    info = json.loads((model_dir / miniature.TASK_FILE).read_text())
+    if info.get("train_digest") != miniature.split_digest(train_rows):
+        raise SystemExit(f"{model_dir} was pre-trained on another split of the task.")
+    files = {name: out / "data" / f"{name}.jsonl" for name in ("train", "dev", "heldout")}
+    for name, rows in (("train", train_rows), ("dev", dev), ("heldout", heldout)):
+        miniature.write_jsonl(files[name], rows)
+    invocations = out / "invocations.json"
+    seen = json.loads(invocations.read_text()) if invocations.is_file() else []
+    invocations.write_text(json.dumps(seen + [{**miniature.this_machine(), "argv": sys.argv[1:] if argv is None
+                                               else list(argv), "chosen_lr": CHOSEN_LR}], indent=1) + "\n")
+    if args.select:
+        return select(out, args.arms, args.lrs, model_dir, files, dev)
+    if not args.analyze:
+        experiment(out, args.arms, args.seeds, model_dir, files, heldout)
+    results = json.loads((out / "results.json").read_text())
+    table = analyze(results, len(heldout))
+    # results.json: every run's record ("runs", "base") and the analysis of them, in the reasoning miniature's shape
+    # ("heldout_avg": per arm one value per seed, "seeds" beside it)
+    (out / "results.json").write_text(json.dumps({"runs": results["runs"], "base": results["base"], **table},
+                                                 indent=1) + "\n")
+    (out / "table.txt").write_text(format_results(table) + "\n")
+    plot(results, table, out / "ablation.png")
+    print(format_results(table))
+    return table
+
+
+if __name__ == "__main__":
+    main()

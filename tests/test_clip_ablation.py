@@ -1,0 +1,202 @@
+"""The clip ablation's regime and statistics (tests/miniature/clip): the two writers' forms at their rates, the
+starting model accepted with the teacher's preference in its weights, the step-1 profile recomputed two ways, the
+exact binomial interval against known values, the analysis on hand-made results, the arms' command lines."""
+
+import json
+import math
+import random
+import sys
+
+import pytest
+import torch
+
+import miniature
+
+sys.path.insert(0, str(miniature.HERE / "clip"))
+import ablation  # noqa: E402
+
+import opsd  # noqa: E402
+
+@pytest.fixture(scope="module")
+def task():
+    return miniature.make_task()
+
+
+COLUMN = r"([0-9])\+([0-9])(\+1)?=([0-9]{1,2})"
+
+
+def parse(trace):
+    """(columns as (first, second, carry in, written sum), separators, closing word, boxed answer) of a trace."""
+    import re
+
+    body, boxed = trace.split(" \\boxed{")
+    closing = body.endswith(" so")
+    body = body.removesuffix(" so")
+    columns = [(int(m[1]), int(m[2]), bool(m[3]), int(m[4])) for m in re.finditer(COLUMN, body)]
+    seps = re.findall(r"=[0-9]{1,2}(, | )", body)
+    return columns, seps, closing, boxed.rstrip("}")
+
+
+def test_without_forms_the_writer_draws_what_it_drew_before():
+    # the reasoning miniature's committed models were pre-trained on these draws: the forms must not change them
+    # (these strings are the previous write_trace's output for this seed)
+    rng = random.Random(7)
+    got = [miniature.writer_trace(a, b, rng) for a, b in [(457, 385), (999, 101), (189, 812), (555, 445), (123, 456)]]
+    assert got == ["7+5=12 5+8=13 4+3+1=7 \\boxed{732}", "9+1=10 9+0=9 9+1=11 \\boxed{1190}",
+                   "9+2=12 8+1=9 1+8=9 \\boxed{992}", "5+5=10 5+4=9 5+4=9 \\boxed{990}",
+                   "3+6=9 2+5=7 1+4=4 \\boxed{479}"]
+    assert rng.random() == 0.28960928633167626
+
+
+def test_each_writer_takes_each_form_at_its_rate_and_stays_correct():
+    rng = random.Random(0)
+    for name, prefer, write in (("teacher", ablation.PREFER_TEACHER, ablation.teacher_trace),
+                                ("writer", ablation.PREFER_WRITER, ablation.writer_trace)):
+        first = {"order": [0, 0], "sep": [0, 0], "so": [0, 0]}  # [first form, draws]
+        for _ in range(3000):
+            a, b = rng.randint(100, 999), rng.randint(100, 999)
+            trace = write(a, b, rng)
+            columns, seps, closing, boxed = parse(trace)
+            assert len(columns) == 3 and len(seps) == 2, trace
+            for i, (p, q, _, _) in enumerate(columns):
+                x, y = a // 10 ** i % 10, b // 10 ** i % 10
+                assert {p, q} == {x, y}, trace
+                if x != y:
+                    first["order"][0] += (p, q) == (x, y)
+                    first["order"][1] += 1
+            first["sep"][0] += seps.count(", ")
+            first["sep"][1] += 2
+            first["so"][0] += closing
+            first["so"][1] += 1
+            if name == "teacher":  # correct in every column, carried in order, the box the sum
+                carry = 0
+                for i, (p, q, c, s) in enumerate(columns):
+                    assert c == bool(carry) and s == p + q + carry, trace
+                    carry = s // 10
+                assert boxed == str(a + b), trace
+        for form, (k, n) in first.items():
+            assert abs(k / n - prefer) < 4 * math.sqrt(prefer * (1 - prefer) / n), (name, form, k, n)
+
+
+def test_the_model_was_accepted_and_its_teacher_prefers_its_forms(task):
+    train, dev, _ = task
+    info = json.loads((ablation.MODEL / miniature.TASK_FILE).read_text())
+    assert info["accepted"] and info["train_digest"] == miniature.split_digest(train)
+    assert info["writer"]["prefer_teacher"] == ablation.PREFER_TEACHER
+    assert info["writer"]["prefer_writer"] == ablation.PREFER_WRITER
+    # from the weights: the probability of writing the top operand first at the first column, where the digits differ
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(ablation.MODEL)
+    model = AutoModelForCausalLM.from_pretrained(ablation.MODEL, dtype=torch.float32).eval()
+    first = {"student": [], "teacher": []}
+    for r in dev[:60]:
+        a, b = miniature.operands(r["problem"])
+        x, y = a % 10, b % 10
+        if x == y:
+            continue
+        prompts = {"student": miniature.student_prompt(tok, r["problem"]),
+                   "teacher": miniature.teacher_prompt(tok, r["problem"], f"{r['problem']}={r['answer']}")}
+        for side, ids in prompts.items():
+            with torch.no_grad():
+                p = model(input_ids=torch.tensor([ids])).logits[0, -1].softmax(-1)
+            dx, dy = tok.convert_tokens_to_ids(str(x)), tok.convert_tokens_to_ids(str(y))
+            first[side].append((p[dx] / (p[dx] + p[dy])).item())
+    mean = {side: sum(v) / len(v) for side, v in first.items()}
+    assert abs(mean["student"] - ablation.PREFER_WRITER) < 0.1, mean
+    assert abs(mean["teacher"] - ablation.PREFER_TEACHER) < 0.1, mean
+
+
+def test_the_step1_profile_recomputes_two_ways():
+    ref = json.loads(ablation.REFERENCE.read_text())
+    committed = json.loads((ablation.HERE / "step1_profile.json").read_text())
+    profile = ablation.step1_profile()
+    for key in ("kl_mean", "frac_above_tau", "clipped_mass_above_tau", "teacher_top_prob_above_tau"):
+        assert profile[key] == pytest.approx(committed[key], rel=1e-9), key
+    # opsd.py's own per-position diagnostics (float32, chunked) against the float64 recomputation
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(ablation.MODEL, dtype=torch.float32).eval()
+    rows = ref["rows"]
+    kl, clipped = [], []
+    for r in rows:
+        n = len(r["completion_ids"])
+        with torch.no_grad():
+            s = model(input_ids=torch.tensor([r["student_prompt_ids"] + r["completion_ids"]])).logits[0, -n - 1:-1]
+            t = model(input_ids=torch.tensor([r["teacher_prompt_ids"] + r["completion_ids"]])).logits[0, -n - 1:-1]
+        stats = opsd.divergence_stats(s, t, torch.tensor(r["completion_ids"]), temperature=1.1, tau=0.05)
+        kl.append(stats.kl)
+        clipped.append(stats.clipped_mass)
+    kl, clipped = torch.cat(kl).double(), torch.cat(clipped).double()
+    above = kl > 0.05
+    assert kl.mean().item() == pytest.approx(committed["kl_mean"], rel=1e-4)
+    assert abs(above.double().mean().item() - committed["frac_above_tau"]) <= 2 / len(kl)
+    assert clipped[above].mean().item() == pytest.approx(committed["clipped_mass_above_tau"], abs=2e-3)
+    # the profile is in the window the protocol asks for, by hand
+    assert 0.10 / 1.5 <= committed["kl_mean"] <= 0.10 * 1.5
+    assert 0.35 / 1.5 <= committed["frac_above_tau"] <= 0.35 * 1.5
+    assert 0.50 / 1.5 <= committed["clipped_mass_above_tau"] <= min(1.0, 0.80 * 1.5)
+    assert committed["matched"] and ref["settings"] == {"temperature": 1.1, "tau": 0.05, "beta": 0.0}
+
+
+def test_clopper_pearson_against_known_values():
+    # closed forms at the edges: (alpha/2)^(1/n) and 1 - (alpha/2)^(1/n); the middle value from the beta quantiles
+    assert ablation.clopper_pearson(0, 10) == pytest.approx((0.0, 1 - 0.025 ** 0.1), abs=1e-9)
+    assert ablation.clopper_pearson(10, 10) == pytest.approx((0.025 ** 0.1, 1.0), abs=1e-9)
+    assert ablation.clopper_pearson(5, 10) == pytest.approx((0.187086, 0.812914), abs=1e-6)
+    low, high = ablation.clopper_pearson(3990, 4000)
+    assert low < 3990 / 4000 < high and high - low < 0.01
+
+
+def hand_results(final_a, final_b, curve_a, curve_b):
+    runs = {}
+    for arm, finals, curve in (("token", final_a, curve_a), ("none", final_b, curve_b)):
+        for seed, (final, acc) in enumerate(zip(finals, curve), start=1):
+            points = [[0, 0, 0.5, 400, 0.0, 30.0]] + [[s, 500 * s, a, 0, 0.0, 30.0] for s, a in zip((10, 20), acc)]
+            kl = [[step, 0.1 * step, 0.3, 0.8, 0.0, 0.0, 30.0] for step in range(1, ablation.STEPS + 1)]
+            runs[f"{arm}/s{seed}"] = {"arm": arm, "seed": seed, "heldout_avg": final, "curve": points, "kl": kl}
+    return {"runs": runs, "base": {"1": [0.5, 400, 0.0, 30.0], "2": [0.6, 480, 0.0, 30.0]}}
+
+
+def test_the_analysis_on_hand_made_results():
+    results = hand_results([0.80, 0.70], [0.60, 0.66], [[0.5, 0.80], [0.4, 0.70]], [[0.7, 0.60], [0.6, 0.66]])
+    table = ablation.analyze(results, problems=400)
+    assert table["primary"] == "heldout_avg"  # the best final, 0.75, is below the ceiling
+    assert table["stats"]["token"]["mean"] == pytest.approx(0.75)
+    assert table["heldout_area"]["none"] == pytest.approx([0.65, 0.63])
+    assert table["best_opsd_arm"] == "token"
+    diff = table["paired_vs_best"]["heldout_avg"]["none"]
+    assert diff["differences"] == pytest.approx([0.20, 0.04])
+    assert diff["mean"] == pytest.approx(0.12) and diff["ci95"] == pytest.approx(12.706 * 0.08, rel=1e-3)
+    assert table["stats"]["token"]["pooled_correct"] == 640 + 560
+    assert table["base"]["mean"] == pytest.approx(0.55)
+    assert table["kl"]["token"]["kl_mean"]["first10"] == pytest.approx(0.55)  # 0.1 x mean of 1..10
+    # at a ceiling the area decides: none gets there first
+    results = hand_results([0.99, 0.98], [0.99, 0.99], [[0.5, 0.99], [0.4, 0.98]], [[0.9, 0.99], [0.8, 0.99]])
+    table = ablation.analyze(results, problems=400)
+    assert table["primary"] == "heldout_area" and table["best_opsd_arm"] == "none"
+
+
+def test_the_arms_command_lines(tmp_path):
+    cmd = ablation.opsd_command("M", "T", "token-skip1", 3, 5e-3, tmp_path)
+    flag = lambda name: cmd[cmd.index(name) + 1]  # noqa: E731
+    assert (flag("--clip"), flag("--tau"), flag("--skip-first-tokens")) == ("token", "0.05", "1")
+    assert (flag("--prompts-per-step"), flag("--max-steps"), flag("--save-every"), flag("--seed")) == \
+        ("16", "100", "10", "3")
+    assert (flag("--student-prompt"), flag("--context-column"), flag("--kl-window")) == ("eval", "solution", "1")
+    assert "--no-student-thinking" in cmd
+    cmd = ablation.opsd_command("M", "T", "entry@0.2", 1, 1e-3, tmp_path)
+    assert (cmd[cmd.index("--clip") + 1], cmd[cmd.index("--tau") + 1], cmd[cmd.index("--skip-first-tokens") + 1]) \
+        == ("entry", "0.2", "0")
+    assert ablation.family("none-skip1") == "none" and ablation.family("token@0.2-skip1") == "token"
+    assert ablation.family("grpo") == "grpo"
+    args = opsd.parse_args(["--model", "M", "--dataset", "T", *cmd[cmd.index("--clip"):]])
+    assert (args.clip, args.tau, args.prompts_per_step) == ("entry", 0.2, 16)
+
+
+@pytest.mark.parametrize("arms", ["tokn", "token@x", "clip@0.2"])
+def test_a_bad_arm_is_refused_in_one_sentence(arms, tmp_path, capsys):
+    with pytest.raises(SystemExit):
+        ablation.parse_args(["--output-dir", str(tmp_path), "--arms", arms])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].startswith("ablation.py: error: --arms: ") and sum("error" in line for line in err) == 1, err
