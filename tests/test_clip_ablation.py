@@ -200,3 +200,25 @@ def test_a_bad_arm_is_refused_in_one_sentence(arms, tmp_path, capsys):
         ablation.parse_args(["--output-dir", str(tmp_path), "--arms", arms])
     err = capsys.readouterr().err.strip().splitlines()
     assert err[-1].startswith("ablation.py: error: --arms: ") and sum("error" in line for line in err) == 1, err
+
+
+def test_the_drift_teacher_cuts_at_each_column_at_its_rate():
+    rng, q, n = random.Random(5), ablation.JUMP, 4000
+    counts = [0, 0, 0, 0]
+    for _ in range(n):
+        a, b = rng.randint(100, 999), rng.randint(100, 999)
+        text = ablation.teacher_trace(a, b, rng, jump=q)
+        k = ablation.answer_shape(text)
+        counts[k] += 1
+        assert text.endswith(f"\\boxed{{{a + b}}}"), text
+        if k < 3:  # cut short: the columns it wrote are the whole trace's first ones, then the box
+            assert "so" not in text and text.count("=") == k, text
+    expected = [q, (1 - q) * q, (1 - q) ** 2 * q, (1 - q) ** 3]
+    for k, p in enumerate(expected):
+        assert abs(counts[k] / n - p) < 4 * math.sqrt(p * (1 - p) / n), (k, counts, expected)
+    # without drift the stream is the plain teacher's
+    r1, r2 = random.Random(9), random.Random(9)
+    assert [ablation.teacher_trace(457, 385, r1) for _ in range(20)] == \
+        [miniature.write_trace(457, 385, r2, prefer=ablation.PREFER_TEACHER) for _ in range(20)]
+    assert [ablation.answer_shape(t) for t in ("\\boxed{5}", "7+5=12, 1+2+1=4 so \\boxed{1}", "457+385=842 \\boxed{842}")] \
+        == [0, 2, 0]

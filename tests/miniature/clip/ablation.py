@@ -15,6 +15,7 @@ moderate, learnable disagreement, at which the teacher is uncertain: what a thir
 import argparse
 import json
 import random
+import re
 import sys
 from pathlib import Path
 
@@ -27,6 +28,7 @@ import miniature  # noqa: E402  (the reasoning miniature: the task, its split, p
 import opsd  # noqa: E402
 
 MODEL = HERE / "model"
+DRIFT_MODEL, JUMP = HERE / "model-drift", 0.15  # Part 3: the drift teacher's chance to abandon the scratchpad per column
 PREFER_WRITER, PREFER_TEACHER = 0.5, 0.75  # the probability of each step's first form
 PRETRAIN_SEED = 1
 REFERENCE = HERE / "reference_step.json"
@@ -44,28 +46,46 @@ def writer_trace(a, b, rng):
     return miniature.write_trace(a, b, rng, miniature.CARRY_DROP, miniature.SLIP, prefer=PREFER_WRITER)
 
 
-def teacher_trace(a, b, rng, prefer=None):
-    return miniature.write_trace(a, b, rng, prefer=prefer or PREFER_TEACHER)
+def teacher_trace(a, b, rng, prefer=None, jump=0.0):
+    """The teacher's correct trace in its preferred forms. With `jump` (the drift teacher of Part 3) it abandons the
+    scratchpad for the boxed answer, the reference's style, at the start of each column with that probability."""
+    text = miniature.write_trace(a, b, rng, prefer=prefer or PREFER_TEACHER)
+    if not jump:
+        return text
+    cuts = [rng.random() < jump for _ in range(3)]  # three draws always: the stream does not depend on the outcome
+    if not any(cuts):
+        return text
+    ends = [m.end() for m in re.finditer(COLUMN, text)]
+    k = cuts.index(True)
+    return (text[:ends[k - 1]] + " " if k else "") + f"\\boxed{{{a + b}}}"
 
 
-def pretrain_example(tok, row, fmt, rng, prefer_teacher=None):
+COLUMN = r"(?<![0-9+])[0-9]\+[0-9](\+1)?=[0-9]{1,2}(?![0-9])"  # one column's work, as answer_style reads it
+
+
+def answer_shape(text):
+    """How many columns an answer writes before its box (0-3)."""
+    return len(re.findall(COLUMN, text.split("\\boxed")[0]))
+
+
+def pretrain_example(tok, row, fmt, rng, prefer_teacher=None, jump=0.0):
     """(prompt ids, answer ids): the reasoning miniature's four formats, the teacher shown the reference writing
     correct traces in its preferred forms, the others the error-prone writer's traces with either form."""
     a, b = miniature.operands(row["problem"])
     if fmt == "teacher":
         return (miniature.teacher_prompt(tok, row["problem"], row.get("solution", f"{a}+{b}={a + b}")),
-                miniature.answer_ids(tok, teacher_trace(a, b, rng, prefer_teacher)))
+                miniature.answer_ids(tok, teacher_trace(a, b, rng, prefer_teacher, jump)))
     prompt = {"student": miniature.student_prompt, "transfer": miniature.transfer_prompt}.get(fmt)
     prompt = prompt(tok, row["problem"]) if prompt else miniature.teacher_prompt(tok, row["problem"], "")
     return prompt, miniature.answer_ids(tok, writer_trace(a, b, rng))
 
 
-def pretrain(out, seed=PRETRAIN_SEED, prefer_teacher=PREFER_TEACHER):
+def pretrain(out, seed=PRETRAIN_SEED, prefer_teacher=PREFER_TEACHER, jump=0.0):
     train, dev, heldout = miniature.make_task()
     tokenizer_rng = random.Random(0)
     writer = {"carry_drop": miniature.CARRY_DROP, "slip": miniature.SLIP, "prefer_writer": PREFER_WRITER,
-              "prefer_teacher": prefer_teacher}
-    example = lambda tok, row, fmt, rng: pretrain_example(tok, row, fmt, rng, prefer_teacher)  # noqa: E731
+              "prefer_teacher": prefer_teacher, "jump": jump}
+    example = lambda tok, row, fmt, rng: pretrain_example(tok, row, fmt, rng, prefer_teacher, jump)  # noqa: E731
     return miniature.pretrain(out, train, dev, heldout, seed=seed, example=example, writer=writer,
                               trace=lambda r: writer_trace(*miniature.operands(r["problem"]), tokenizer_rng))
 
@@ -159,17 +179,19 @@ FLAGS = ["--device", "cpu", "--dtype", "float32", "--lora-r", str(miniature.LORA
          "--warmup-steps", str(WARMUP), "--context-column", "solution", *miniature.STUDENT_FLAGS]
 
 
-def family(arm):
-    return ARMS[arm][1] or "grpo" if arm in ARMS else arm.split("@")[0].removesuffix("-skip1")
-
-
 def arm_settings(arm):
-    """(kind, clip, tau, skip) of an arm name: the ARMS above, or CLIP@TAU[-skip1] at the second tau."""
-    if arm in ARMS:
+    """(kind, clip, tau, skip) of an arm's name: grpo, or CLIP[@TAU][-skipN] (tau 0.05 and no skip unless named)."""
+    if arm == "grpo":
         return ARMS[arm]
-    clip_tau, _, skip = arm.partition("-")
-    clip, tau = clip_tau.split("@")
-    return "opsd", clip, float(tau), int(skip == "skip1")
+    m = re.fullmatch(r"(entry|token|none)(?:@([0-9]*\.?[0-9]+(?:e-?[0-9]+)?))?(?:-skip([0-9]+))?", arm)
+    if not m:
+        raise ValueError(f"{arm!r} names no arm")
+    return "opsd", m[1], float(m[2]) if m[2] else TAU, int(m[3] or 0)
+
+
+def family(arm):
+    """The lr family: the arm's clip (skips and other taus train at their clip's lr), or grpo."""
+    return arm_settings(arm)[1] or "grpo"
 
 
 def opsd_command(model_dir, train_file, arm, seed, lr, out_dir):
@@ -324,16 +346,29 @@ def experiment(out, arms, seeds, model_dir, files, heldout):
         seconds = train(model_dir, files["train"], arm, seed, lr_of(arm), run)
         points = score_curve(scorer(), heldout, run, results["base"][str(seed)], EVAL_SEED + seed, "heldout")
         final, eval_seconds = eval_final(model_dir, files["heldout"], run, seed)
+        samples = [json.loads(line) for line in (run.parent / f"{run.name}-eval" / "samples.jsonl").read_text()
+                   .splitlines() if line.strip()]
         if abs(final - points[-1][2]) > 1e-9:  # the same samples by construction: a difference is a finding
             print(f"{run.name}: eval.py scored {final}, the scorer's last point {points[-1][2]}", flush=True)
         results["runs"][key] = {"arm": arm, "seed": seed, "lr": lr_of(arm), "heldout_avg": final,
-                                "scorer_equals_eval": abs(final - points[-1][2]) <= 1e-9,
+                                "scorer_equals_eval": abs(final - points[-1][2]) <= 1e-9, "shape": shapes(samples),
                                 "curve": points, "kl": kl_curve(run), "seconds": seconds, "eval_seconds": eval_seconds}
         path.write_text(json.dumps(results, indent=1) + "\n")
         print(f"{run.name}: held-out " + ", ".join(f"{p[0]}:{100 * p[2]:.1f}" for p in points)
               + f" | kl_mean step 1 {results['runs'][key]['kl'][0][1]:.3f}, step {STEPS} "
               f"{results['runs'][key]['kl'][-1][1]:.4f} ({seconds or 0:.0f}s)", flush=True)
     return results
+
+
+def shapes(samples):
+    """The final samples by how many columns they write before the box: the share of each count (0-3) and the
+    accuracy of whole (3 columns) and cut-short (fewer) answers."""
+    count = [answer_shape(s["completion"]) for s in samples]
+    whole = [s["correct"] for s, c in zip(samples, count) if c == 3]
+    cut = [s["correct"] for s, c in zip(samples, count) if c < 3]
+    return {"columns_share": [sum(c == k for c in count) / len(count) for k in range(4)],
+            "whole_correct": sum(whole) / len(whole) if whole else None,
+            "cut_correct": sum(cut) / len(cut) if cut else None}
 
 
 # -----------------------------------------------------------------------------
@@ -405,7 +440,7 @@ def analyze(results, problems):
     best_final = max(table["stats"][a]["mean"] for a in arms)
     table["primary"] = "heldout_avg" if best_final < CEILING else "heldout_area"
     key = table["primary"]
-    opsd_arms = [a for a in arms if arm_settings(a)[0] == "opsd"]
+    opsd_arms = [a for a in arms if a in ARMS and a != "grpo"]  # the protocol's six; the others are compared to it
     best = max(opsd_arms, key=lambda a: sum(table[key][a]) / len(table[key][a])) if opsd_arms else None
     table["best_opsd_arm"] = best
     table["paired_vs_best"] = {k: {a: miniature.paired(table[k][best], table[k][a], table["seeds"][best],
@@ -476,6 +511,10 @@ def parse_args(argv=None):
     p.add_argument("--pretrain-seed", type=int, default=PRETRAIN_SEED)
     p.add_argument("--prefer-teacher", type=float, default=PREFER_TEACHER,
                    help="with --pretrain: how often the teacher shown the reference takes each step's first form")
+    p.add_argument("--jump", type=float, default=0.0,
+                   help=f"with --pretrain: the drift teacher's chance to abandon the scratchpad per column (Part 3: "
+                        f"{JUMP})")
+    p.add_argument("--drift", action="store_true", help="the arms on the drift model (model-drift/)")
     p.add_argument("--profile", action="store_true", help="the step-1 rollouts and KL profile of --model")
     p.add_argument("--model", default=str(MODEL), help="the starting model (default: the committed one)")
     p.add_argument("--reference", default=str(REFERENCE), help="with --profile: where the step-1 rollouts go")
@@ -499,9 +538,9 @@ def parse_args(argv=None):
         try:
             kind, clip, tau, _ = arm_settings(arm)
         except ValueError:
-            p.error(f"--arms: {arm!r} is neither one of {', '.join(ARMS)} nor CLIP@TAU[-skip1].")
-        if kind == "opsd" and (clip not in CLIPS or not tau > 0):
-            p.error(f"--arms: {arm!r} names no clip of {', '.join(CLIPS)} with a positive tau.")
+            p.error(f"--arms: {arm!r} is neither grpo nor CLIP[@TAU][-skipN] with CLIP one of {', '.join(CLIPS)}.")
+        if kind == "opsd" and not tau > 0:
+            p.error(f"--arms: {arm!r} has tau {tau:g}: it must be positive.")
     seeds = [int(x) for x in args.seeds.split(",")] if args.seeds else None
     args.seeds = {arm: seeds or list(GRPO_SEEDS if arm == "grpo" else SEEDS) for arm in args.arms}
     args.lrs = [float(x) for x in args.lrs.split(",")]
@@ -513,10 +552,11 @@ def main(argv=None):
     if args.grpo_job:
         return grpo_job(json.loads(args.grpo_job))
     if args.pretrain:
-        return pretrain(Path(args.output_dir), args.pretrain_seed, args.prefer_teacher)
+        return pretrain(Path(args.output_dir), args.pretrain_seed, args.prefer_teacher, args.jump)
     if args.profile:
         return write_profile(Path(args.model), Path(args.reference))
-    out, model_dir = Path(args.output_dir), Path(args.model)
+    out = Path(args.output_dir)
+    model_dir = DRIFT_MODEL if args.drift and args.model == str(MODEL) else Path(args.model)
     train_rows, dev, heldout = miniature.make_task()
     info = json.loads((model_dir / miniature.TASK_FILE).read_text())
     if info.get("train_digest") != miniature.split_digest(train_rows):
