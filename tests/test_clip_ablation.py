@@ -222,3 +222,13 @@ def test_the_drift_teacher_cuts_at_each_column_at_its_rate():
         [miniature.write_trace(457, 385, r2, prefer=ablation.PREFER_TEACHER) for _ in range(20)]
     assert [ablation.answer_shape(t) for t in ("\\boxed{5}", "7+5=12, 1+2+1=4 so \\boxed{1}", "457+385=842 \\boxed{842}")] \
         == [0, 2, 0]
+
+
+def test_the_second_tau_goes_to_the_favoured_clip():
+    table = {"primary": "heldout_avg", "best_opsd_arm": "token-skip1", "heldout_avg": {}}
+    assert ablation.second_tau_arm(table) == "token@0.2-skip1"
+    table = {"primary": "heldout_area", "best_opsd_arm": "none",
+             "heldout_area": {"entry": [0.2, 0.4], "token": [0.5, 0.5], "entry-skip1": [0.9, 0.9]}}
+    assert ablation.second_tau_arm(table) == "token@0.2"  # none is best: the better clip at none's skip (none)
+    table["heldout_area"]["token"] = [0.1, 0.1]
+    assert ablation.second_tau_arm(table) == "entry@0.2"

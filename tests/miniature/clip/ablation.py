@@ -449,6 +449,18 @@ def analyze(results, problems):
     return table
 
 
+def second_tau_arm(table):
+    """The protocol's second-tau arm: the best OPSD arm's clip (if that is none, the better of entry and token by the
+    primary score at the best arm's skip) at SECOND_TAU, with the best arm's skip."""
+    best = table["best_opsd_arm"]
+    _, clip, _, skip = arm_settings(best)
+    suffix = f"-skip{skip}" if skip else ""
+    if clip == "none":
+        mean = lambda arm: sum(table[table["primary"]][arm]) / len(table[table["primary"]][arm])  # noqa: E731
+        clip = max(("entry", "token"), key=lambda c: mean(c + suffix))
+    return f"{clip}@{SECOND_TAU:g}{suffix}"
+
+
 CEILING = 0.95  # at or above it (the best arm's mean final held-out score) the area decides instead
 
 
@@ -504,6 +516,29 @@ def plot(results, table, path):
     plt.close(fig)
 
 
+def record(out, dest):
+    """Copy what the report needs from a run directory into `dest` (committed): results.json, table.txt, the
+    figure, selection.json/.txt, invocations.json; per run its metrics.jsonl; per eval.py scoring its summary,
+    config and gzipped samples."""
+    import gzip
+    import shutil
+
+    dest.mkdir(parents=True, exist_ok=True)
+    for name in ("results.json", "table.txt", "ablation.png", "selection.json", "selection.txt", "invocations.json"):
+        if (out / name).is_file():
+            shutil.copy(out / name, dest / name)
+    for metrics in sorted(out.glob("*/metrics.jsonl")):
+        (dest / "runs" / metrics.parent.name).mkdir(parents=True, exist_ok=True)
+        shutil.copy(metrics, dest / "runs" / metrics.parent.name / "metrics.jsonl")
+    for summary in sorted(out.glob("*-eval/summary.json")):
+        target = dest / "runs" / summary.parent.name
+        target.mkdir(parents=True, exist_ok=True)
+        for name in ("summary.json", "config.json"):
+            shutil.copy(summary.parent / name, target / name)
+        (target / "samples.jsonl.gz").write_bytes(gzip.compress((summary.parent / "samples.jsonl").read_bytes(),
+                                                                mtime=0))
+
+
 def parse_args(argv=None):
     p = argparse.ArgumentParser(prog="ablation.py", description=__doc__.split("\n\n")[0])
     p.add_argument("--output-dir", help="where the runs and their records go")
@@ -524,13 +559,14 @@ def parse_args(argv=None):
                                                 "(default: every arm; --select: entry,token,none,grpo)")
     p.add_argument("--seeds", default=None, help="comma-separated (default: 1-5, grpo 1-3)")
     p.add_argument("--analyze", action="store_true", help="only the tables and figure of --output-dir's results")
+    p.add_argument("--record", metavar="DIR", help="copy --output-dir's records into DIR (the committed folder), stop")
     p.add_argument("--grpo-job", default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.grpo_job or args.profile:
         return args
     if not args.output_dir:
         p.error("--output-dir is required.")
-    if args.pretrain or args.analyze:
+    if args.pretrain or args.analyze or args.record:
         return args
     default = "entry,token,none,grpo" if args.select else ",".join(ARMS)
     args.arms = [a.strip() for a in (args.arms or default).split(",")]
@@ -556,6 +592,8 @@ def main(argv=None):
     if args.profile:
         return write_profile(Path(args.model), Path(args.reference))
     out = Path(args.output_dir)
+    if args.record:
+        return record(out, Path(args.record))
     model_dir = DRIFT_MODEL if args.drift and args.model == str(MODEL) else Path(args.model)
     train_rows, dev, heldout = miniature.make_task()
     info = json.loads((model_dir / miniature.TASK_FILE).read_text())
