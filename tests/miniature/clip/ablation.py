@@ -317,8 +317,14 @@ def select(out, arms, lrs, model_dir, files, dev):
                   flush=True)
     selection["chosen"] = miniature.choose_lrs(selection)
     path.write_text(json.dumps(selection, indent=1) + "\n")
-    print(miniature.format_selection(selection))
+    (out / "selection.txt").write_text(format_selection(selection) + "\n")
+    print(format_selection(selection))
     return selection
+
+
+def format_selection(selection):
+    """The reasoning miniature's selection table (dev avg@2 in % by step, then each family's choice)."""
+    return miniature.format_selection({**selection, "base": {"avg": selection["base"][0]}})
 
 
 def lr_of(arm):
