@@ -220,8 +220,8 @@ def test_the_drift_teacher_cuts_at_each_column_at_its_rate():
     r1, r2 = random.Random(9), random.Random(9)
     assert [ablation.teacher_trace(457, 385, r1) for _ in range(20)] == \
         [miniature.write_trace(457, 385, r2, prefer=ablation.PREFER_TEACHER) for _ in range(20)]
-    assert [ablation.answer_shape(t) for t in ("\\boxed{5}", "7+5=12, 1+2+1=4 so \\boxed{1}", "457+385=842 \\boxed{842}")] \
-        == [0, 2, 0]
+    texts = ("\\boxed{5}", "7+5=12, 1+2+1=4 so \\boxed{1}", "457+385=842 \\boxed{842}")
+    assert [ablation.answer_shape(t) for t in texts] == [0, 2, 0]
 
 
 def test_the_second_tau_goes_to_the_favoured_clip():
@@ -232,3 +232,16 @@ def test_the_second_tau_goes_to_the_favoured_clip():
     assert ablation.second_tau_arm(table) == "token@0.2"  # none is best: the better clip at none's skip (none)
     table["heldout_area"]["token"] = [0.1, 0.1]
     assert ablation.second_tau_arm(table) == "entry@0.2"
+
+
+def test_the_chosen_lrs_are_the_rules_verdict_on_the_committed_selection():
+    selection = json.loads((ablation.HERE / "selection" / "selection.json").read_text())
+    chosen = miniature.choose_lrs(selection)
+    assert {family: c["lr"] for family, c in chosen.items()} == ablation.CHOSEN_LR
+    assert not any(c["extend"] for c in chosen.values())
+    assert (ablation.HERE / "selection" / "selection.txt").read_text() == \
+        ablation.format_selection({**selection, "chosen": chosen}) + "\n"
+    for name, run in selection["runs"].items():  # each run's KL figures are its own metrics.jsonl's
+        metrics = miniature.read_metrics(ablation.HERE / "selection" / "runs" / name)
+        assert run["kl"] == [[m["step"], *(m.get(k) for k in ablation.KL_FIELDS)] for m in metrics], name
+        assert run["curve"][-1][0] == ablation.STEPS and len(run["curve"]) == ablation.STEPS // ablation.EVERY + 1

@@ -28,7 +28,7 @@ import miniature  # noqa: E402  (the reasoning miniature: the task, its split, p
 import opsd  # noqa: E402
 
 MODEL = HERE / "model"
-DRIFT_MODEL, JUMP = HERE / "model-drift", 0.15  # Part 3: the drift teacher's chance to abandon the scratchpad per column
+DRIFT_MODEL, JUMP = HERE / "model-drift", 0.15  # Part 3: the drift teacher abandons the scratchpad per column at JUMP
 PREFER_WRITER, PREFER_TEACHER = 0.5, 0.75  # the probability of each step's first form
 PRETRAIN_SEED = 1
 REFERENCE = HERE / "reference_step.json"
@@ -161,7 +161,7 @@ def write_profile(model_dir=MODEL, reference=REFERENCE):
 # miniature's implementation at this budget. Names say clip and skip.
 
 TAU, SECOND_TAU = 0.05, 0.2
-STEPS, PROMPTS, EVERY, WARMUP = 100, 16, 10, 10  # 100 optimizer steps (the recipe's) of 16 prompts, a checkpoint every 10
+STEPS, PROMPTS, EVERY, WARMUP = 100, 16, 10, 10  # the recipe's 100 steps, of 16 prompts; a checkpoint every 10
 SEEDS, GRPO_SEEDS = (1, 2, 3, 4, 5), (1, 2, 3)
 GRPO_GROUP = 8  # 2 prompts x 8 samples: the same 16 completions a step as the OPSD arms
 CLIPS = ("entry", "token", "none")
@@ -169,7 +169,7 @@ ARMS = {f"{clip}{'-skip1' if skip else ''}": ("opsd", clip, TAU, skip) for clip 
 ARMS["grpo"] = ("grpo", None, None, 0)
 LR_GRID = miniature.LR_GRID  # 2e-3, 5e-3, 1.25e-2, extended by the rule (x2.5, at most twice beyond an edge)
 # each family's lr chosen on dev by the rule (selection.json here); None until the selection has run
-CHOSEN_LR = {"entry": None, "token": None, "none": None, "grpo": None}
+CHOSEN_LR = {"entry": 2e-3, "token": 2e-3, "none": 2e-3, "grpo": 8e-4}
 EVAL_N, EVAL_SEED = 2, 100  # held-out avg@2; a training seed s is scored with eval seed EVAL_SEED + s
 DEV_SEED = 42  # the selection's dev scoring (eval.py's default seed)
 FLAGS = ["--device", "cpu", "--dtype", "float32", "--lora-r", str(miniature.LORA_R), "--lora-alpha",
@@ -225,10 +225,6 @@ def grpo_job(job):
     miniature.OPSD_FLAGS[miniature.OPSD_FLAGS.index("--micro-batch-size") + 1] = str(PROMPTS)
     miniature.train_grpo(Path(job["model_dir"]), Path(job["train_file"]), job["seed"], STEPS, job["lr"],
                          Path(job["out_dir"]), EVERY)
-
-
-def checkpoints(run):
-    return [(step, run / ("final" if step == STEPS else f"checkpoint-{step}")) for step in range(EVERY, STEPS + 1, EVERY)]
 
 
 def score_curve(scorer, rows, run, base, seed, name):
@@ -299,7 +295,6 @@ def select(out, arms, lrs, model_dir, files, dev):
     scorer = Scorers(model_dir)
     if "base" not in selection:
         selection["base"] = base_point(scorer(), dev, DEV_SEED, "dev")
-    base = {"avg": selection["base"][0]}
     for arm in arms:
         for lr in lrs:
             name = run_dir(out, arm, 1, lr).name
@@ -483,7 +478,8 @@ def format_results(table):
                      f"{f'{100 * lo:.1f}..{100 * hi:.1f}':>20}{100 * st['area_mean']:>8.1f}"
                      f"{ci(st['area_mean'], st['area_ci95']):>14}"
                      f"   {kl['kl_mean']['first10']:.3f} -> {kl['kl_mean']['last10']:.3f}"
-                     f"   {kl['kl_clipped_teacher_mass']['first10']:.3f} -> {kl['kl_clipped_teacher_mass']['last10']:.3f}"
+                     f"   {kl['kl_clipped_teacher_mass']['first10']:.3f} -> "
+                     f"{kl['kl_clipped_teacher_mass']['last10']:.3f}"
                      f"   " + " ".join(f"{100 * v:.1f}" for v in table["heldout_avg"][arm]))
     best = table["best_opsd_arm"]
     for key in ("heldout_avg", "heldout_area"):
