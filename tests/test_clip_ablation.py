@@ -245,3 +245,13 @@ def test_the_chosen_lrs_are_the_rules_verdict_on_the_committed_selection():
         metrics = miniature.read_metrics(ablation.HERE / "selection" / "runs" / name)
         assert run["kl"] == [[m["step"], *(m.get(k) for k in ablation.KL_FIELDS)] for m in metrics], name
         assert run["curve"][-1][0] == ablation.STEPS and len(run["curve"]) == ablation.STEPS // ablation.EVERY + 1
+
+
+def test_a_loss_temperature_alone_does_not_reach_the_profile():
+    sweep = json.loads((ablation.HERE / "reasoning_miniature_temperatures.json").read_text())
+    ref = json.loads((miniature.DATA / "reference_step.json").read_text())
+    kl, clipped, _ = ablation.position_figures(miniature.SHIPPED_MODEL, ref["rows"], 3.0, 0.05)
+    assert sweep[-1]["temperature"] == 3.0
+    assert sweep[-1]["clipped_mass_above_tau"] == pytest.approx(clipped[kl > 0.05].mean().item(), rel=1e-9)
+    assert all(s["frac_above_tau"] < 0.35 / 1.5 for s in sweep)  # never inside the window's share above tau
+    assert sweep[0]["clipped_mass_above_tau"] > 0.95 and sweep[-1]["clipped_mass_above_tau"] < 0.5

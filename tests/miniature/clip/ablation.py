@@ -143,6 +143,22 @@ def step1_profile(reference=REFERENCE, model_dir=MODEL):
             "matched": all(lo <= got[k] <= hi for k, (lo, hi) in window.items())}
 
 
+def temperature_sweep(path=HERE / "reasoning_miniature_temperatures.json"):
+    """Why a loss temperature cannot match the profile: the reasoning miniature's step-1 figures (its model and its
+    committed step-1 rollouts) at loss temperatures 1.1 to 3.0."""
+    ref = json.loads((miniature.DATA / "reference_step.json").read_text())
+    sweep = []
+    for temperature in (1.1, 1.5, 2.0, 3.0):
+        kl, clipped, top = position_figures(miniature.SHIPPED_MODEL, ref["rows"], temperature, TAU)
+        above = kl > TAU
+        sweep.append({"temperature": temperature, "kl_mean": kl.mean().item(),
+                      "frac_above_tau": above.double().mean().item(),
+                      "clipped_mass_above_tau": clipped[above].mean().item(),
+                      "teacher_top_prob_above_tau": top[above].mean().item()})
+    Path(path).write_text(json.dumps(sweep, indent=1) + "\n")
+    return sweep
+
+
 def write_profile(model_dir=MODEL, reference=REFERENCE):
     """Sample the step-1 rollouts (opsd.py's first step, --seed 1) into reference_step.json, unless it holds this
     model's already, and write the profile."""
@@ -555,6 +571,8 @@ def parse_args(argv=None):
     p.add_argument("--profile", action="store_true", help="the step-1 rollouts and KL profile of --model")
     p.add_argument("--model", default=str(MODEL), help="the starting model (default: the committed one)")
     p.add_argument("--reference", default=str(REFERENCE), help="with --profile: where the step-1 rollouts go")
+    p.add_argument("--temperatures", action="store_true",
+                   help="the reasoning miniature's step-1 figures at loss temperatures 1.1-3.0, into this folder")
     p.add_argument("--select", action="store_true", help="dev selection of each family's lr (seed 1, --lrs)")
     p.add_argument("--lrs", default=",".join(f"{lr:g}" for lr in LR_GRID))
     p.add_argument("--arms", default=None, help=f"comma-separated, of {', '.join(ARMS)} or CLIP@TAU[-skip1] "
@@ -564,7 +582,7 @@ def parse_args(argv=None):
     p.add_argument("--record", metavar="DIR", help="copy --output-dir's records into DIR (the committed folder), stop")
     p.add_argument("--grpo-job", default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
-    if args.grpo_job or args.profile:
+    if args.grpo_job or args.profile or args.temperatures:
         return args
     if not args.output_dir:
         p.error("--output-dir is required.")
@@ -593,6 +611,8 @@ def main(argv=None):
         return pretrain(Path(args.output_dir), args.pretrain_seed, args.prefer_teacher, args.jump)
     if args.profile:
         return write_profile(Path(args.model), Path(args.reference))
+    if args.temperatures:
+        return print(json.dumps(temperature_sweep(), indent=1))
     out = Path(args.output_dir)
     if args.record:
         return record(out, Path(args.record))
