@@ -371,9 +371,10 @@ def experiment(out, arms, seeds, model_dir, files, heldout):
                                 "scorer_equals_eval": abs(final - points[-1][2]) <= 1e-9, "shape": shapes(samples),
                                 "curve": points, "kl": kl_curve(run), "seconds": seconds, "eval_seconds": eval_seconds}
         path.write_text(json.dumps(results, indent=1) + "\n")
+        kl = results["runs"][key]["kl"]  # GRPO logs none
         print(f"{run.name}: held-out " + ", ".join(f"{p[0]}:{100 * p[2]:.1f}" for p in points)
-              + f" | kl_mean step 1 {results['runs'][key]['kl'][0][1]:.3f}, step {STEPS} "
-              f"{results['runs'][key]['kl'][-1][1]:.4f} ({seconds or 0:.0f}s)", flush=True)
+              + (f" | kl_mean step 1 {kl[0][1]:.3f}, step {STEPS} {kl[-1][1]:.4f}" if kl[0][1] is not None else "")
+              + f" ({seconds or 0:.0f}s)", flush=True)
     return results
 
 
