@@ -255,3 +255,20 @@ def test_a_loss_temperature_alone_does_not_reach_the_profile():
     assert sweep[-1]["clipped_mass_above_tau"] == pytest.approx(clipped[kl > 0.05].mean().item(), rel=1e-9)
     assert all(s["frac_above_tau"] < 0.35 / 1.5 for s in sweep)  # never inside the window's share above tau
     assert sweep[0]["clipped_mass_above_tau"] > 0.95 and sweep[-1]["clipped_mass_above_tau"] < 0.5
+
+
+def test_token_efficiency_interpolates_per_seed_and_threshold():
+    curve = lambda accs: [[10 * k, 1000 * k, a] for k, a in enumerate(accs)]  # noqa: E731
+    assert ablation.tokens_to_reach(curve([0.5, 0.6, 0.9]), 0.8) == pytest.approx(1000 + 2000 / 3)
+    assert ablation.tokens_to_reach(curve([0.5, 0.6, 0.9]), 0.95) is None
+    assert ablation.tokens_to_reach(curve([0.8, 0.9]), 0.7) == 0  # the base model is there already
+    results = {"runs": {
+        "token/s1": {"arm": "token", "seed": 1, "curve": curve([0.5, 0.9, 1.0])},
+        "grpo/s1": {"arm": "grpo", "seed": 1, "curve": curve([0.5, 0.7, 0.8, 0.96])},
+        "token/s2": {"arm": "token", "seed": 2, "curve": curve([0.5, 1.0])}}}
+    eff = ablation.token_efficiency(results, "token")
+    assert eff["seeds"] == [1]  # seed 2 has no GRPO run to pair with
+    row = eff["by_threshold"]["0.8"][0]
+    assert row["token"] == pytest.approx(750) and row["grpo"] == pytest.approx(2000) and row["ratio"] == \
+        pytest.approx(2000 / 750)
+    assert eff["by_threshold"]["0.95"][0]["grpo"] == pytest.approx(2000 + 1000 * 0.15 / 0.16)

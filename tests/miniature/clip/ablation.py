@@ -448,11 +448,13 @@ def analyze(results, problems):
                                "pooled_correct": k, "pooled_samples": samples * len(runs),
                                "pooled_exact95": clopper_pearson(k, samples * len(runs))}
         table["kl"][arm] = {}
-        for j, field in enumerate(KL_FIELDS[:3], start=1):  # kl_mean, share above tau, clipped teacher mass
+        for j, field in enumerate(KL_FIELDS[:3] if arm_settings(arm)[0] == "opsd" else (), start=1):  # kl_mean, share above tau, clipped teacher mass
             per_seed = [[row[j] for row in r["kl"]] for r in runs]
             per_step = [sum(v[t] for v in per_seed) / len(per_seed) for t in range(min(map(len, per_seed)))]
             table["kl"][arm][field] = {"first10": sum(per_step[:10]) / 10, "last10": sum(per_step[-10:]) / 10,
-                                       "per_step_seed_mean": per_step}
+                                       "per_step_seed_mean": per_step,
+                                       "last10_minus_first10_per_seed": [sum(v[-10:]) / 10 - sum(v[:10]) / 10
+                                                                         for v in per_seed]}
     base = [v[0] for _, v in sorted(results["base"].items())]
     table["base"] = {"heldout_avg": base, "mean": sum(base) / len(base)}
     best_final = max(table["stats"][a]["mean"] for a in arms)
@@ -461,10 +463,40 @@ def analyze(results, problems):
     opsd_arms = [a for a in arms if a in ARMS and a != "grpo"]  # the protocol's six; the others are compared to it
     best = max(opsd_arms, key=lambda a: sum(table[key][a]) / len(table[key][a])) if opsd_arms else None
     table["best_opsd_arm"] = best
+    table["token_efficiency"] = token_efficiency(results, best) if best and "grpo" in arms else None
     table["paired_vs_best"] = {k: {a: miniature.paired(table[k][best], table[k][a], table["seeds"][best],
                                                        table["seeds"][a]) for a in arms if a != best}
                                for k in ("heldout_avg", "heldout_area")} if best else {}
     return table
+
+
+THRESHOLDS = (0.70, 0.80, 0.90, 0.95)
+
+
+def tokens_to_reach(points, target):
+    """Sampled completion tokens a held-out curve first reaches `target` with, linear between checkpoints; None if
+    it never does. Points: [step, tokens, accuracy, ...]."""
+    for (_, t0, a0, *_), (_, t1, a1, *_) in zip(points, points[1:]):
+        if a0 >= target:
+            return t0
+        if a1 >= target:
+            return t0 + (target - a0) / (a1 - a0) * (t1 - t0)
+    return None
+
+
+def token_efficiency(results, arm, other="grpo"):
+    """Per seed both ran and per threshold: the tokens `arm` and `other` first reach it with, and their ratio."""
+    runs = {(r["arm"], r["seed"]): r for r in results["runs"].values()}
+    seeds = sorted(s for a, s in runs if a == arm and (other, s) in runs)
+    rows = {}
+    for target in THRESHOLDS:
+        per_seed = []
+        for seed in seeds:
+            mine, theirs = (tokens_to_reach(runs[(a, seed)]["curve"], target) for a in (arm, other))
+            per_seed.append({"seed": seed, arm: mine, other: theirs,
+                             "ratio": theirs / mine if mine and theirs else None})
+        rows[f"{target:g}"] = per_seed
+    return {"arms": [arm, other], "seeds": seeds, "by_threshold": rows}
 
 
 def second_tau_arm(table):
@@ -488,7 +520,7 @@ def format_results(table):
              f"{'arm':<16}{'seeds':>6}{'final':>8}{'95% CI':>14}{'pooled exact 95%':>20}{'area':>8}{'95% CI':>14}"
              f"   kl_mean first10 -> last10   clipped mass   per seed (final)"]
     for arm in table["arms"]:
-        st, kl = table["stats"][arm], table["kl"][arm]
+        st, kl = table["stats"][arm], table["kl"][arm] or {f: {"first10": 0, "last10": 0} for f in KL_FIELDS}
         ci = lambda m, h: f"{100 * (m - h):.1f}..{100 * (m + h):.1f}" if h is not None else "-"  # noqa: E731
         lo, hi = st["pooled_exact95"]
         lines.append(f"{arm:<16}{len(table['seeds'][arm]):>6}{100 * st['mean']:>8.1f}{ci(st['mean'], st['ci95']):>14}"
@@ -504,6 +536,14 @@ def format_results(table):
         lines.append(f"paired, {best} minus each ({key}, points, 95% t-interval over seeds): " + "; ".join(
             f"{a} {100 * d['mean']:+.1f} +- {100 * d['ci95']:.1f}" if d and d["ci95"] is not None else f"{a} -"
             for a, d in pairs.items()))
+    eff = table.get("token_efficiency")
+    if eff:
+        a, b = eff["arms"]
+        fmt = lambda v: "-" if v is None else f"{v / 1000:.1f}k"  # noqa: E731
+        for target, rows in eff["by_threshold"].items():
+            lines.append(f"tokens to {100 * float(target):.0f}% held-out, {a} / {b} (ratio) per seed: " + "; ".join(
+                f"s{r['seed']} {fmt(r[a])} / {fmt(r[b])}" + (f" ({r['ratio']:.1f}x)" if r["ratio"] else "")
+                for r in rows))
     return "\n".join(lines)
 
 
