@@ -4,6 +4,10 @@ the protocol (committed before any arm ran) and the results.
 
     python tests/miniature/clip/ablation.py --pretrain --output-dir tests/miniature/clip/model   # the starting model
     python tests/miniature/clip/ablation.py --profile                 # its step-1 rollouts and KL profile
+    python tests/miniature/clip/ablation.py --select --output-dir runs/clip-select   # the lrs, on dev (+ --arms, --lrs)
+    python tests/miniature/clip/ablation.py --output-dir runs/clip      # every arm and seed (resumable; --arms, --seeds)
+    python tests/miniature/clip/ablation.py --output-dir runs/clip --record tests/miniature/clip/results   # commit it
+    python tests/miniature/clip/ablation.py --drift --output-dir runs/clip-drift --arms ...   # Part 3, on model-drift/
 
 The lever: every step of the scratchpad has two valid forms ("x+y" or "y+x" in a column, ", " or " " between columns,
 "so" or nothing before the box). The error-prone writer (the student's pre-training data) takes either with
