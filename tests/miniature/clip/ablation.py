@@ -5,7 +5,7 @@ the protocol (committed before any arm ran) and the results.
     python tests/miniature/clip/ablation.py --pretrain --output-dir tests/miniature/clip/model   # the starting model
     python tests/miniature/clip/ablation.py --profile                 # its step-1 rollouts and KL profile
     python tests/miniature/clip/ablation.py --select --output-dir runs/clip-select   # the lrs, on dev (+ --arms, --lrs)
-    python tests/miniature/clip/ablation.py --output-dir runs/clip      # every arm and seed (resumable; --arms, --seeds)
+    python tests/miniature/clip/ablation.py --output-dir runs/clip     # every arm and seed (resumable; --arms, --seeds)
     python tests/miniature/clip/ablation.py --output-dir runs/clip --record tests/miniature/clip/results   # commit it
     python tests/miniature/clip/ablation.py --drift --output-dir runs/clip-drift --arms ...   # Part 3, on model-drift/
 
@@ -452,7 +452,8 @@ def analyze(results, problems):
                                "pooled_correct": k, "pooled_samples": samples * len(runs),
                                "pooled_exact95": clopper_pearson(k, samples * len(runs))}
         table["kl"][arm] = {}
-        for j, field in enumerate(KL_FIELDS[:3] if arm_settings(arm)[0] == "opsd" else (), start=1):  # kl_mean, share above tau, clipped teacher mass
+        fields = KL_FIELDS[:3] if arm_settings(arm)[0] == "opsd" else ()  # kl_mean, share above tau, clamped mass
+        for j, field in enumerate(fields, start=1):
             per_seed = [[row[j] for row in r["kl"]] for r in runs]
             per_step = [sum(v[t] for v in per_seed) / len(per_seed) for t in range(min(map(len, per_seed)))]
             table["kl"][arm][field] = {"first10": sum(per_step[:10]) / 10, "last10": sum(per_step[-10:]) / 10,
