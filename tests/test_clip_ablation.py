@@ -272,3 +272,18 @@ def test_token_efficiency_interpolates_per_seed_and_threshold():
     assert row["token"] == pytest.approx(750) and row["grpo"] == pytest.approx(2000) and row["ratio"] == \
         pytest.approx(2000 / 750)
     assert eff["by_threshold"]["0.95"][0]["grpo"] == pytest.approx(2000 + 1000 * 0.15 / 0.16)
+
+
+def test_the_jump_positions_are_the_first_and_those_after_the_first_two_columns():
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(ablation.MODEL)
+    for text, after in (("7+5=12, 5+8+1=14 4+3+1=8 so \\boxed{842}", [",", " "]),
+                        ("5+7=12 8+5+1=14, 3+4+1=8 \\boxed{842}", [" ", ","])):
+        ids = tok.encode(text, add_special_tokens=False)
+        positions = ablation.jump_positions(tok, ids)
+        assert positions[0] == 0 and len(positions) == 3
+        assert [tok.decode([ids[i]]) for i in positions[1:]] == after
+        assert tok.decode(ids[:positions[1]]) in ("7+5=12", "5+7=12")  # right after the first column
+    profile = json.loads((ablation.HERE / "step1_profile.json").read_text())["at_jump_positions"]
+    assert profile["jump_positions"] == 3 * 64  # every step-1 rollout writes its three columns

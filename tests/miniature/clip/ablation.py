@@ -163,6 +163,35 @@ def temperature_sweep(path=HERE / "reasoning_miniature_temperatures.json"):
     return sweep
 
 
+def jump_positions(tok, completion_ids):
+    """Answer positions where the drift teacher may leave the scratchpad for the box: the first, and the one right
+    after each of the first two columns (there the teacher writes the separator, or the box)."""
+    starts, text = [], ""
+    for token in completion_ids:
+        starts.append(len(text))
+        text += tok.decode([token])
+    ends = [m.end() for m in re.finditer(COLUMN, text.split("\\boxed")[0])][:2]
+    return [0] + [starts.index(end) for end in ends if end in starts]
+
+
+def jump_profile(reference, model_dir):
+    """Mean KL at the positions where the drift teacher may jump, and at the others (the drift model's step 1)."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    ref = json.loads(Path(reference).read_text())
+    kl, _, _ = position_figures(model_dir, ref["rows"], ref["settings"]["temperature"], ref["settings"]["tau"])
+    at = torch.zeros(len(kl), dtype=torch.bool)
+    offset = 0
+    for r in ref["rows"]:
+        for i in jump_positions(tok, r["completion_ids"]):
+            at[offset + i] = True
+        offset += len(r["completion_ids"])
+    return {"jump_positions": int(at.sum()), "kl_mean_at_jump_positions": kl[at].mean().item(),
+            "kl_mean_elsewhere": kl[~at].mean().item(),
+            "share_of_summed_kl_at_jump_positions": (kl[at].sum() / kl.sum()).item()}
+
+
 def write_profile(model_dir=MODEL, reference=REFERENCE):
     """Sample the step-1 rollouts (opsd.py's first step, --seed 1) into reference_step.json, unless it holds this
     model's already, and write the profile."""
@@ -170,7 +199,7 @@ def write_profile(model_dir=MODEL, reference=REFERENCE):
     if not (reference.is_file() and json.loads(reference.read_text())["model_sha256_16"]
             == miniature.model_digest(model_dir)):
         miniature.write_reference_step(reference, model_dir)  # also writes the reasoning miniature's step1_kl.json
-    profile = step1_profile(reference, model_dir)
+    profile = {**step1_profile(reference, model_dir), "at_jump_positions": jump_profile(reference, model_dir)}
     (Path(reference).parent / "step1_profile.json").write_text(json.dumps(profile, indent=1) + "\n")
     print(json.dumps({k: v for k, v in profile.items() if k != "histogram"}, indent=1))
     return profile
