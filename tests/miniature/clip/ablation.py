@@ -593,12 +593,14 @@ def plot(results, table, path):
         runs = [r for r in results["runs"].values() if r["arm"] == arm]
         steps = [p[0] for p in runs[0]["curve"]]
         acc = [100 * sum(r["curve"][j][2] for r in runs) / len(runs) for j in range(len(steps))]
-        style = "--" if "skip1" in arm else "-"
-        line, = axes[0].plot(steps, acc, style, marker="o", ms=3, label=f"{arm} ({len(runs)} seeds)")
+        kind, clip, tau, skip = arm_settings(arm)
+        style = {0: "-", 1: "--"}.get(skip, ":") if tau in (TAU, None) else "-."
+        color = {"entry": "tab:orange", "token": "tab:blue", "none": "tab:green"}.get(clip, "tab:purple")
+        axes[0].plot(steps, acc, style, color=color, marker="o", ms=3, label=f"{arm} ({len(runs)} seeds)")
         for ax, field in zip(axes[1:], ("kl_mean", "kl_clipped_teacher_mass")):
-            if arm_settings(arm)[0] == "opsd":
+            if kind == "opsd":
                 v = table["kl"][arm][field]["per_step_seed_mean"]
-                ax.plot(range(1, len(v) + 1), v, style, color=line.get_color(), label=arm)
+                ax.plot(range(1, len(v) + 1), v, style, color=color, label=arm)
     axes[0].set(xlabel="optimizer step", ylabel=f"held-out avg@{EVAL_N}, training format (%)", ylim=(-2, 102))
     axes[1].set(xlabel="optimizer step", ylabel="kl_mean (each step's, loss temperature)", yscale="log")
     axes[2].set(xlabel="optimizer step", ylabel="teacher mass the entry clip clamps (mean per position)")
