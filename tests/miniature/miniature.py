@@ -209,8 +209,10 @@ def teacher_prompt(tok, problem, context):
 # Tokenizer and model: digits are single tokens, the chat template is the tests' Qwen3-style one
 
 
-def build_tokenizer(train, trace=lambda row: row["trace"]):
-    """A byte-level BPE of vocabulary 512, every digit its own token, learnt from prompts and `trace(row)`s."""
+def build_tokenizer(train, trace=None):
+    """A byte-level BPE of vocabulary 512, every digit its own token, learnt from prompts and answers (each row's
+    correct trace, or `trace(row)`)."""
+    trace = trace or (lambda row: row["trace"])
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -314,7 +316,7 @@ def pretrain(out_dir, train, dev, heldout, *, seed, steps=PRETRAIN["steps"], tea
     own `example(tok, row, fmt, rng)`, the `trace(row)` its tokenizer learns from and the `writer` it records."""
     t0 = time.perf_counter()
     example = example or (lambda tok, row, fmt, rng: pretrain_example(tok, row, fmt, rng, teacher_terse))
-    tok = build_tokenizer(train, **({"trace": trace} if trace else {}))
+    tok = build_tokenizer(train, trace)
     model = build_model(tok, seed)
     bs, lr = PRETRAIN["batch_size"], PRETRAIN["lr"]
     print(f"pre-training a {sum(p.numel() for p in model.parameters()):,}-parameter Qwen3 (vocab {len(tok)}, seed "
