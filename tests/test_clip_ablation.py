@@ -169,7 +169,7 @@ def test_the_analysis_on_hand_made_results():
     assert diff["differences"] == pytest.approx([0.20, 0.04])
     assert diff["mean"] == pytest.approx(0.12) and diff["ci95"] == pytest.approx(12.706 * 0.08, rel=1e-3)
     assert table["stats"]["token"]["pooled_correct"] == 640 + 560
-    assert table["base"]["mean"] == pytest.approx(0.55)
+    assert table["base_heldout"]["mean"] == pytest.approx(0.55)
     assert table["kl"]["token"]["kl_mean"]["first10"] == pytest.approx(0.55)  # 0.1 x mean of 1..10
     # at a ceiling the area decides: none gets there first
     results = hand_results([0.99, 0.98], [0.99, 0.99], [[0.5, 0.99], [0.4, 0.98]], [[0.9, 0.99], [0.8, 0.99]])
@@ -287,3 +287,52 @@ def test_the_jump_positions_are_the_first_and_those_after_the_first_two_columns(
         assert tok.decode(ids[:positions[1]]) in ("7+5=12", "5+7=12")  # right after the first column
     profile = json.loads((ablation.HERE / "step1_profile.json").read_text())["at_jump_positions"]
     assert profile["jump_positions"] == 3 * 64  # every step-1 rollout writes its three columns
+
+
+def check_recorded(folder, model_dir):
+    """A committed results folder is the scorings beside it: each run's final score is its eval.py summary, regraded
+    here from the samples with a plain regex; its eval seed, decoding and starting model are the protocol's; its KL
+    figures are its metrics.jsonl; its lr is the one chosen on dev; the analysis and table recompute."""
+    import gzip
+    import re
+
+    results = json.loads((folder / "results.json").read_text())
+    answers = [row["answer"] for row in miniature.make_task()[2]]
+    fingerprint = opsd.model_fingerprint(str(model_dir))
+    for key, run in results["runs"].items():
+        name = ablation.run_dir(folder / "runs", run["arm"], run["seed"]).name
+        scoring = folder / "runs" / f"{name}-eval"
+        summary = json.loads((scoring / "summary.json").read_text())
+        assert run["heldout_avg"] == summary["metrics"]["heldout"][f"avg@{ablation.EVAL_N}"], key
+        config = json.loads((scoring / "config.json").read_text())
+        assert config["seed"] == ablation.EVAL_SEED + run["seed"], key
+        assert (config["temperature"], config["top_p"], config["max_new_tokens"], config["thinking"]) == \
+            (1.0, 0.95, miniature.MAX_NEW_TOKENS, False), key
+        assert config["model_fingerprint"] == fingerprint, key
+        samples = [json.loads(line) for line in gzip.decompress((scoring / "samples.jsonl.gz").read_bytes())
+                   .decode().splitlines()]
+        assert sorted((s["problem"], s["sample"]) for s in samples) == \
+            [(p, k) for p in range(len(answers)) for k in range(ablation.EVAL_N)], key
+        right = 0
+        for s in samples:  # the last \boxed{...} holds the answer; a \boxed that never closes holds none
+            last = s["completion"].rfind("\\boxed")
+            boxed = re.match(r"\\boxed\{([^{}]*)\}", s["completion"][last:]) if last >= 0 else None
+            right += bool(boxed) and boxed[1].strip() == answers[s["problem"]]
+        assert right == round(len(samples) * run["heldout_avg"]) == run["curve"][-1][3], key
+        assert run["curve"][-1][0] == ablation.STEPS and len(run["curve"]) == ablation.STEPS // ablation.EVERY + 1
+        assert run["shape"] == ablation.shapes(samples), key
+        metrics = miniature.read_metrics(folder / "runs" / name)
+        assert run["kl"] == [[m["step"], *(m.get(k) for k in ablation.KL_FIELDS)] for m in metrics], key
+        assert len(metrics) == ablation.STEPS and run["lr"] == ablation.CHOSEN_LR[ablation.family(run["arm"])], key
+    table = ablation.analyze({"runs": results["runs"], "base": results["base"]}, len(answers))
+    assert json.loads(json.dumps(table)) == {k: v for k, v in results.items() if k not in ("runs", "base")}
+    assert (folder / "table.txt").read_text() == ablation.format_results(table) + "\n"
+    return results, table
+
+
+def test_the_committed_results_are_the_scorings_beside_them():
+    results, table = check_recorded(ablation.HERE / "results", ablation.MODEL)
+    arms = list(ablation.ARMS)
+    assert set(table["arms"]) >= set(arms)  # every protocol arm, at its seeds
+    for arm in arms:
+        assert table["seeds"][arm] == list(ablation.GRPO_SEEDS if arm == "grpo" else ablation.SEEDS), arm
