@@ -78,18 +78,23 @@ def test_each_writer_takes_each_form_at_its_rate_and_stays_correct():
             assert abs(k / n - prefer) < 4 * math.sqrt(prefer * (1 - prefer) / n), (name, form, k, n)
 
 
-def test_the_model_was_accepted_and_its_teacher_prefers_its_forms(task):
+@pytest.mark.parametrize("drift", [False, True], ids=["model", "model-drift"])
+def test_the_model_was_accepted_and_its_teacher_prefers_its_forms(task, drift):
     train, dev, _ = task
-    info = json.loads((ablation.MODEL / miniature.TASK_FILE).read_text())
+    model_dir = ablation.DRIFT_MODEL if drift else ablation.MODEL
+    info = json.loads((model_dir / miniature.TASK_FILE).read_text())
     assert info["accepted"] and info["train_digest"] == miniature.split_digest(train)
     assert info["writer"]["prefer_teacher"] == ablation.PREFER_TEACHER
     assert info["writer"]["prefer_writer"] == ablation.PREFER_WRITER
+    assert info["writer"].get("jump", 0.0) == (ablation.JUMP if drift else 0.0)  # the first model predates it
     # from the weights: the probability of writing the top operand first at the first column, where the digits differ
+    # (and, for the drift model, of opening with the box instead of a column)
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    tok = AutoTokenizer.from_pretrained(ablation.MODEL)
-    model = AutoModelForCausalLM.from_pretrained(ablation.MODEL, dtype=torch.float32).eval()
-    first = {"student": [], "teacher": []}
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    box = [tok.convert_tokens_to_ids(t) for t in ("\\", "\u0120\\")]
+    first, opens_with_box = {"student": [], "teacher": []}, {"student": [], "teacher": []}
     for r in dev[:60]:
         a, b = miniature.operands(r["problem"])
         x, y = a % 10, b % 10
@@ -102,21 +107,27 @@ def test_the_model_was_accepted_and_its_teacher_prefers_its_forms(task):
                 p = model(input_ids=torch.tensor([ids])).logits[0, -1].softmax(-1)
             dx, dy = tok.convert_tokens_to_ids(str(x)), tok.convert_tokens_to_ids(str(y))
             first[side].append((p[dx] / (p[dx] + p[dy])).item())
+            opens_with_box[side].append(p[box].sum().item())
     mean = {side: sum(v) / len(v) for side, v in first.items()}
     assert abs(mean["student"] - ablation.PREFER_WRITER) < 0.1, mean
     assert abs(mean["teacher"] - ablation.PREFER_TEACHER) < 0.1, mean
+    jump = {side: sum(v) / len(v) for side, v in opens_with_box.items()}
+    assert jump["student"] < 0.02 and abs(jump["teacher"] - (ablation.JUMP if drift else 0.0)) < 0.05, jump
 
 
-def test_the_step1_profile_recomputes_two_ways():
-    ref = json.loads(ablation.REFERENCE.read_text())
-    committed = json.loads((ablation.HERE / "step1_profile.json").read_text())
-    profile = ablation.step1_profile()
+@pytest.mark.parametrize("drift", [False, True], ids=["model", "model-drift"])
+def test_the_step1_profile_recomputes_two_ways(drift):
+    model_dir, folder = (ablation.DRIFT_MODEL, ablation.HERE / "drift") if drift else (ablation.MODEL, ablation.HERE)
+    ref = json.loads((folder / "reference_step.json").read_text())
+    committed = json.loads((folder / "step1_profile.json").read_text())
+    assert ref["model_sha256_16"] == miniature.model_digest(model_dir)
+    profile = ablation.step1_profile(folder / "reference_step.json", model_dir)
     for key in ("kl_mean", "frac_above_tau", "clipped_mass_above_tau", "teacher_top_prob_above_tau"):
         assert profile[key] == pytest.approx(committed[key], rel=1e-9), key
     # opsd.py's own per-position diagnostics (float32, chunked) against the float64 recomputation
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(ablation.MODEL, dtype=torch.float32).eval()
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     rows = ref["rows"]
     kl, clipped = [], []
     for r in rows:
@@ -132,11 +143,17 @@ def test_the_step1_profile_recomputes_two_ways():
     assert kl.mean().item() == pytest.approx(committed["kl_mean"], rel=1e-4)
     assert abs(above.double().mean().item() - committed["frac_above_tau"]) <= 2 / len(kl)
     assert clipped[above].mean().item() == pytest.approx(committed["clipped_mass_above_tau"], abs=2e-3)
+    assert ref["settings"] == {"temperature": 1.1, "tau": 0.05, "beta": 0.0}
+    if drift:  # reported, not matched: the jumps put a large KL at the column starts
+        jumps = ablation.jump_profile(folder / "reference_step.json", model_dir)
+        assert jumps == pytest.approx(committed["at_jump_positions"], rel=1e-9)
+        assert jumps["kl_mean_at_jump_positions"] > 3 * jumps["kl_mean_elsewhere"]
+        return
     # the profile is in the window the protocol asks for, by hand
     assert 0.10 / 1.5 <= committed["kl_mean"] <= 0.10 * 1.5
     assert 0.35 / 1.5 <= committed["frac_above_tau"] <= 0.35 * 1.5
     assert 0.50 / 1.5 <= committed["clipped_mass_above_tau"] <= min(1.0, 0.80 * 1.5)
-    assert committed["matched"] and ref["settings"] == {"temperature": 1.1, "tau": 0.05, "beta": 0.0}
+    assert committed["matched"]
 
 
 def test_clopper_pearson_against_known_values():
