@@ -353,3 +353,11 @@ def test_the_committed_results_are_the_scorings_beside_them():
     assert set(table["arms"]) >= set(arms)  # every protocol arm, at its seeds
     for arm in arms:
         assert table["seeds"][arm] == list(ablation.GRPO_SEEDS if arm == "grpo" else ablation.SEEDS), arm
+
+
+def test_the_committed_drift_results_are_the_scorings_beside_them():
+    results, table = check_recorded(ablation.HERE / "drift", ablation.DRIFT_MODEL)
+    arms = [a for a in ablation.ARMS if a != "grpo"] + ["token-skip8", "token-skip16"]  # Part 3's, the clip favoured
+    assert sorted(table["arms"]) == sorted(arms)
+    for arm in arms:
+        assert table["seeds"][arm] == [1, 2, 3], arm
