@@ -155,14 +155,17 @@ def test_the_student_trains_in_the_prompt_eval_scores(task, tmp_path):
 
 
 def unbatched_greedy(model, tok, prompt, max_new_tokens=48):
-    ids = list(prompt)
+    """One prompt at a time, no padding: the argmax token fed back through the model's KV cache."""
+    ids, step, past = [], torch.tensor([list(prompt)]), None
     with torch.no_grad():
         for _ in range(max_new_tokens):
-            nxt = int(model(input_ids=torch.tensor([ids])).logits[0, -1].argmax())
+            out = model(input_ids=step, past_key_values=past, use_cache=True)
+            nxt, past = int(out.logits[0, -1].argmax()), out.past_key_values
             if nxt == tok.eos_token_id:
                 break
             ids.append(nxt)
-    return tok.decode(ids[len(prompt):], skip_special_tokens=True)
+            step = torch.tensor([[nxt]])
+    return tok.decode(ids, skip_special_tokens=True)
 
 
 def test_the_starting_models_were_accepted_by_the_fixed_rule(task):
@@ -552,11 +555,18 @@ def test_reference_step_figures():
     (["--output-dir", "x", "--drift", "--arms", "none"], "--drift runs the drift arms"),
     (["--output-dir", "x", "--drift", "--quick"], "separate runs"),
 ])
-def test_bad_flags_are_refused_in_one_sentence(argv, words):
-    proc = subprocess.run([sys.executable, str(ROOT / "tests" / "miniature" / "miniature.py"), *argv], capture_output=True,
-                          text=True, timeout=120, cwd=ROOT)
+def test_bad_flags_are_refused_in_one_sentence(argv, words, capsys):
+    with pytest.raises(SystemExit) as refused:  # in this process: parse_args is where every flag is checked
+        miniature.parse_args(argv)
+    err = capsys.readouterr().err
+    assert refused.value.code == 2 and err.strip().splitlines()[-1].startswith("miniature.py: error:") and words in err
+
+
+def test_a_bad_flag_from_the_command_line_is_one_sentence_without_a_traceback():
+    proc = subprocess.run([sys.executable, str(ROOT / "tests" / "miniature" / "miniature.py"), "--output-dir", "x",
+                           "--seeds", "1,1"], capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
-    assert proc.stderr.strip().splitlines()[-1].startswith("miniature.py: error:") and words in proc.stderr
+    assert proc.stderr.strip().splitlines()[-1].startswith("miniature.py: error:") and "--seeds" in proc.stderr
 
 
 def metrics_without_timings(run):
@@ -564,15 +574,14 @@ def metrics_without_timings(run):
     return [{k: v for k, v in r.items() if k not in miniature.TIMING_FIELDS} for r in records]
 
 
-def test_a_fixed_seed_reproduces_exactly(task, tmp_path):
-    """One step of the token arm through opsd.py with --seed 1, on this machine today: its step-1 figures are the
-    port-check fixture's, committed from the run that made it (sampling, batches and loss all reproduce)."""
-    miniature.write_jsonl(tmp_path / "train.jsonl", task[0])
-    out = tmp_path / "run"
-    cmd = miniature.opsd_command(miniature.SHIPPED_MODEL, tmp_path / "train.jsonl", "token", 1, 1, 5e-3, out)
-    miniature.run_logged(cmd, tmp_path / "run.log")
-    (first,) = metrics_without_timings(out)
-    expected = json.loads(REFERENCE.read_text())["expected"]["token"]
+def test_a_fixed_seed_reproduces_exactly(quick_run):
+    """The quick run's first step (its arm through opsd.py with --seed 1, on this machine today): its figures are the
+    port-check fixture's, committed from the run that made it (sampling, batches and loss all reproduce). A first
+    step's figures come before any update, so the quick run's lr and step count do not enter them."""
+    out, _ = quick_run
+    first = metrics_without_timings(out / miniature.run_name("p1", miniature.QUICK_ARM, 1))[0]
+    assert first["step"] == 1 and miniature.ALL_ARMS[miniature.QUICK_ARM][1][:2] == ("none", 0.05)
+    expected = json.loads(REFERENCE.read_text())["expected"]["none"]
     for key in ("loss", "kl_mean", "kl_clipped_teacher_mass"):
         assert first[key] == pytest.approx(expected[key], abs=1e-6), key
 
