@@ -594,13 +594,14 @@ def plot(results, table, path):
         steps = [p[0] for p in runs[0]["curve"]]
         acc = [100 * sum(r["curve"][j][2] for r in runs) / len(runs) for j in range(len(steps))]
         kind, clip, tau, skip = arm_settings(arm)
-        style = {0: "-", 1: "--"}.get(skip, ":") if tau in (TAU, None) else "-."
+        # the skip by the line (none, 1, 8, 16 positions: solid, dashed, dotted, sparse dots); a second tau dash-dot
+        style = {0: "-", 1: "--", 8: ":"}.get(skip, (0, (1, 4))) if tau in (TAU, None) else "-."
         color = {"entry": "tab:orange", "token": "tab:blue", "none": "tab:green"}.get(clip, "tab:purple")
-        axes[0].plot(steps, acc, style, color=color, marker="o", ms=3, label=f"{arm} ({len(runs)} seeds)")
+        axes[0].plot(steps, acc, linestyle=style, color=color, marker="o", ms=3, label=f"{arm} ({len(runs)} seeds)")
         for ax, field in zip(axes[1:], ("kl_mean", "kl_clipped_teacher_mass")):
             if kind == "opsd":
                 v = table["kl"][arm][field]["per_step_seed_mean"]
-                ax.plot(range(1, len(v) + 1), v, style, color=color, label=arm)
+                ax.plot(range(1, len(v) + 1), v, linestyle=style, color=color, label=arm)
     axes[0].set(xlabel="optimizer step", ylabel=f"held-out avg@{EVAL_N}, training format (%)", ylim=(-2, 102))
     axes[1].set(xlabel="optimizer step", ylabel="kl_mean (each step's, loss temperature)", yscale="log")
     axes[2].set(xlabel="optimizer step", ylabel="teacher mass the entry clip clamps (mean per position)")
