@@ -34,7 +34,8 @@ import time
 import warnings
 from array import array
 from collections import deque
-from contextlib import contextmanager, nullcontext
+from contextlib import contextmanager, nullcontext, suppress
+from datetime import timedelta
 from pathlib import Path
 from typing import NamedTuple
 
@@ -52,29 +53,68 @@ from safetensors.torch import load_file, save_file
 # Ranks and errors: torchrun sets RANK / WORLD_SIZE (`python opsd.py` is one); one sentence per error, said once
 
 RANK, WORLD_SIZE = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+AGREEING = False  # inside agreed(): a refusal is said after the ranks compare theirs
 
 def print0(*a, **kw):
     if RANK == 0:
         print(*a, **kw, flush=True)
 
+class Refusal(SystemExit):
+    def __init__(self, text):  # a user error in one sentence; exit status 2
+        super().__init__(2)
+        self.text = text
+
+def error_file(text):
+    """Write `text` where torchrun's report reads it (its "Root Cause" then shows the sentence, not <N/A>)."""
+    if os.environ.get("TORCHELASTIC_ERROR_FILE"):
+        Path(os.environ["TORCHELASTIC_ERROR_FILE"]).write_text(
+            json.dumps({"message": {"message": text, "extraInfo": {"timestamp": int(time.time())}}}))
+    return text
+
 def fail(message, speaker=0, prog="opsd.py"):
     """Stop on a user error with one sentence: every rank finds it, only rank `speaker` says it."""
-    text, where = f"{prog}: error: {message}", os.environ.get("TORCHELASTIC_ERROR_FILE")
-    if RANK == speaker:
+    text = f"{prog}: error: {message}"
+    if RANK == speaker and not AGREEING:
         print(text, file=sys.stderr, flush=True)
-    if where:  # torchrun's report reads this file: its "Root Cause" then shows the sentence, not <N/A>
-        Path(where).write_text(json.dumps({"message": {"message": text, "extraInfo": {"timestamp": int(time.time())}}}))
-    raise SystemExit(2)
+    raise Refusal(error_file(text))
+
+class RankLost(Exception):
+    """A collective failed (gloo: "Connection closed by peer"; a timeout): another rank is gone or unreachable."""
+
+def collective(op, *args, **kw):
+    try:
+        work = op(*args, **kw)
+        while work and not work.is_completed():  # with async_op, waited for here, where a signal is handled at once
+            time.sleep(0.001)
+        return work and work.wait()
+    except (RuntimeError, dist.DistError) as e:
+        raise RankLost(str(e).splitlines()[0]) from e
 
 def all_reduce(tensor, op=None):
     """Sum (or `op`) over ranks, in place; a no-op in a world of one."""
     if dist.is_initialized():
-        dist.all_reduce(tensor, op=op or dist.ReduceOp.SUM)
+        collective(dist.all_reduce, tensor, op or dist.ReduceOp.SUM, async_op=True)
     return tensor
 
-def barrier():
-    if dist.is_initialized():
-        dist.barrier()
+@contextmanager
+def agreed():
+    """Each rank's own checks, then a collective all reach: if any refused, all stop, each refusal said once."""
+    global AGREEING
+    AGREEING, mine = True, None
+    try:
+        yield
+    except Refusal as e:
+        mine = e.text
+    finally:
+        AGREEING = False
+    texts = [mine] * WORLD_SIZE
+    collective(dist.all_gather_object, texts, mine) if dist.is_initialized() else None
+    same = len(set(texts)) == 1  # every rank, the same sentence: rank 0 says it; else each rank, after its rank
+    ranked = {r: t if same else t.replace(": error: ", f": error: rank {r}: ", 1) for r, t in enumerate(texts) if t}
+    if mine and not (same and RANK):
+        print(ranked[RANK], file=sys.stderr, flush=True)
+    if ranked:  # torchrun's report names the first refusal, whichever rank it picks
+        raise Refusal(error_file(ranked[min(ranked)]))
 
 # =============================================================================
 # PART 1: THE METHOD
@@ -123,8 +163,8 @@ def build_prompts(tokenizer, rows, *, student_thinking, teacher_thinking, max_pr
     return prompts
 
 def step_indices(step, prompts_per_step, num_prompts, seed):
-    """Prompt indices of optimizer step `step`: the data stream walks a fresh seeded permutation each
-    epoch, so the order depends only on (seed, step) and a resumed run needs no data-loader state."""
+    """Prompt indices of optimizer step `step`: a fresh seeded permutation each epoch, so the order is a
+    function of (seed, step) alone and a resumed run needs no data-loader state."""
     indices, perms = [], {}
     for position in range(step * prompts_per_step, (step + 1) * prompts_per_step):
         epoch, i = divmod(position, num_prompts)
@@ -245,8 +285,8 @@ def sample(llm, prompts, seeds, args):
     return completions, logprobs
 
 def fingerprint(weight):
-    """An exact fingerprint of a weight's values: its bits read as integers (-0.0 as 0.0), summed plainly, squared
-    and weighted by position, in wrapping int64 arithmetic, so the order of summation cannot change it."""
+    """An exact fingerprint of a weight's bits (-0.0 as 0.0): their plain, squared and position-weighted sums in
+    wrapping int64 arithmetic, so the order of summation cannot change it."""
     bits = (weight.detach() + 0.0).contiguous().view(getattr(torch, f"int{8 * weight.element_size()}")).flatten()
     bits, position = bits.long(), torch.arange(1, bits.numel() + 1, device=bits.device)
     return tuple(int(s) for s in (bits.sum(), (bits * bits).sum(), (bits * position).sum()))
@@ -289,14 +329,17 @@ def stop_engine(llm):
 
 CLIP_MODES = ("entry", "token", "none")
 
-def token_divergence(student_logits, teacher_logits, *, beta=0.0, temperature=1.0, clip="entry", tau=0.05):
+def log_probs(student_logits, teacher_logits, temperature):
+    """(log p_S, log p_T) at the loss temperature, in float32: (..., V) each."""
+    return tuple(F.log_softmax(x.float() / temperature, dim=-1) for x in (student_logits, teacher_logits))
+
+def token_divergence(student_logits, teacher_logits, *, beta=0.0, temperature=1.0, clip="entry", tau=0.05, logps=None):
     """Per-position loss contribution D(p_T || p_S) after clipping, in float32. Shapes (..., V) -> (...)."""
     if clip not in CLIP_MODES:
         raise ValueError(f"clip must be one of {CLIP_MODES}, got {clip!r}.")
     if not 0.0 <= beta <= 1.0:
         raise ValueError(f"beta must lie in [0, 1], got {beta}.")
-    log_s = F.log_softmax(student_logits.float() / temperature, dim=-1)  # (..., V) log p_S
-    log_t = F.log_softmax(teacher_logits.float() / temperature, dim=-1)  # (..., V) log p_T
+    log_s, log_t = logps or log_probs(student_logits, teacher_logits, temperature)  # (..., V) log p_S, log p_T
     # per vocabulary entry v:
     #   beta = 0:  d_v = p_T(v) (log p_T(v) - log p_S(v))                 forward KL(T || S)
     #   beta = 1:  d_v = p_S(v) (log p_S(v) - log p_T(v))                 reverse KL(S || T)
@@ -325,12 +368,11 @@ class PositionStats(NamedTuple):
     logprob: torch.Tensor  # the student's raw log-prob of the sampled token (temperature 1, vLLM's convention)
 
 @torch.no_grad()
-def divergence_stats(student_logits, teacher_logits, targets, *, temperature, tau):
-    """PositionStats of C positions from their (C, V) logits and the sampled tokens (C,)."""
+def divergence_stats(student_logits, teacher_logits, targets, *, temperature, tau, logps=None):
+    """PositionStats of C positions from their (C, V) logits (or log_probs, then overwritten) and sampled tokens."""
     raw = student_logits.float()
     logprob = raw.gather(-1, targets[:, None])[:, 0] - raw.logsumexp(-1)  # (C,)
-    log_s = F.log_softmax(raw / temperature, dim=-1)
-    log_t = F.log_softmax(teacher_logits.float() / temperature, dim=-1)
+    log_s, log_t = logps or log_probs(raw, teacher_logits, temperature)
     p_t = log_t.exp()
     d = log_t.sub_(log_s).mul_(p_t)  # (C, V) p_T(v) (log p_T(v) - log p_S(v)), in place: this runs per chunk
     kl, clipped_mass = d.sum(-1), p_t.mul_(d > tau).sum(-1)
@@ -386,14 +428,15 @@ def opsd_loss(student_hidden, student_mask, teacher_hidden, teacher_mask, lm_hea
         teacher_logits = ht[i:i + chunk_size] @ W.T  # (C, V)
         with torch.enable_grad() if need_grad else nullcontext():
             student_logits = h @ W.T  # (C, V)
-            k = token_divergence(student_logits, teacher_logits, beta=beta, temperature=temperature, clip=clip, tau=tau)
+            logps = log_probs(student_logits, teacher_logits, temperature)  # computed once: the diagnostics reuse them
+            k = token_divergence(student_logits, teacher_logits, beta=beta, clip=clip, tau=tau, logps=logps)
             k = k * keep[i:i + chunk_size]  # (C,) skipped positions add nothing, not even gradient
             if need_grad:
                 grads.append(torch.autograd.grad(k.sum(), h)[0])
         total = total + k.detach().sum()
         if targets is not None:
             stats.append(divergence_stats(student_logits.detach(), teacher_logits, targets[i:i + chunk_size],
-                                          temperature=temperature, tau=tau))
+                                          temperature=temperature, tau=tau, logps=[x.detach() for x in logps]))
     loss = total / max(num_tokens, 1)
     if need_grad:  # also with no positions at all, so backward still runs on every rank
         grad = torch.cat(grads) if grads else torch.zeros_like(hs)  # (N, H) d sum_n k_n / d hs
@@ -470,8 +513,8 @@ def backward_step(model, lora_params, student_prompts, teacher_prompts, completi
         student_hidden = final_hidden(model, student_inputs)  # (B, T_student, H)
         # hidden state t predicts token t + 1: shift the completion masks by one
         targets = student_inputs["input_ids"][:, 1:][student_mask[:, 1:]]  # (N,) the sampled tokens
-        lengths = [len(c) for c in completions[rows]]
-        loss_positions = torch.tensor([j >= skip_first_tokens for n in lengths for j in range(n)], device=device)
+        loss_positions = torch.tensor([j >= skip_first_tokens for c in completions[rows] for j in range(len(c))],
+                                      device=device)
         loss, mb_stats = opsd_loss(student_hidden[:, :-1], student_mask[:, 1:], teacher_hidden[:, :-1],
                                    teacher_mask[:, 1:], lm_head, num_tokens, targets, loss_positions=loss_positions,
                                    **loss_kw)
@@ -600,13 +643,14 @@ def main(argv=None):
     args = parse_args(argv)
     rank, world_size, device = init_distributed(args.device)
     is_main, per_rank, out_dir = rank == 0, args.prompts_per_step // world_size, Path(args.output_dir)
-    with stop_quietly_on_signals(args, world_size, argv) as progress:
-        # ---- every check a user can fail, before a model or vLLM loads: output directory, model config, data
-        resume_from, saved_identity = check_output_dir(args, rank)
-        load_config(args)
-        tokenizer, prompts = load_prompts(args)
+    with stopping_together(args, argv) as progress:
+        # ---- every check a user can fail, before a model or vLLM loads, each rank its own, then agreed on
+        with agreed():
+            resume_from, saved_identity = check_output_dir(args, rank)
+            load_config(args)
+            tokenizer, prompts = load_prompts(args)
 
-        # ---- model + LoRA: A drawn on the CPU from --seed, so every rank and device starts alike (checked)
+        # ---- model + LoRA: A drawn on the CPU from --seed, so every rank and device starts alike
         model, lora_params = load_model(args, device)
         run_identity = run_fingerprint(args, prompts, device)  # what a resume must find unchanged
         if resume_from:
@@ -620,6 +664,7 @@ def main(argv=None):
             start_step, ema, window = restore(resume_from, model, lora_params, optimizer)
             push_checked(llm, model, out_dir)  # the fresh engine holds base weights
             print0(f"resumed from {resume_from} at step {start_step}")
+        check_same_on_every_rank(lora_params)
         tracker = open_run(args, start_step, run_identity) if is_main else None
         loss_kw = dict(beta=args.beta, temperature=args.loss_temperature, clip=args.clip, tau=args.tau,
                        chunk_size=args.loss_chunk_size)
@@ -632,8 +677,7 @@ def main(argv=None):
             indices = step_indices(step, args.prompts_per_step, len(prompts), args.seed)
             mine = range(rank * per_rank, (rank + 1) * per_rank)
             seeds = [(args.seed * 1_000_003 + step * args.prompts_per_step + j) % 2**31 for j in mine]
-            student_prompts = [prompts[indices[j]][0] for j in mine]
-            teacher_prompts = [prompts[indices[j]][1] for j in mine]
+            student_prompts, teacher_prompts = ([prompts[indices[j]][k] for j in mine] for k in (0, 1))
             completions, sampler_logprobs = sample(llm, student_prompts, seeds, args)
             t1 = time.perf_counter()
 
@@ -655,6 +699,8 @@ def main(argv=None):
             # ---- update inference engine weights, and read them back
             push_checked(llm, model, out_dir)
             t3 = time.perf_counter()
+            if step == start_step and dist.is_initialized():  # all are up: a collective waits 5 min, or 4 first steps
+                dist.distributed_c10d._set_pg_timeout(timedelta(seconds=max(300, 4 * (t3 - t0))))
 
             # ---- log: the KL diagnostic over the window, the gap over this step
             sums = diagnostic_sums(stats, sampler_logprobs, args.tau)
@@ -677,7 +723,7 @@ def main(argv=None):
                 if is_main:
                     save_run_state(out_dir, model, lora_params, ema, args, state={
                         "step": step + 1, "optimizer": optimizer.state_dict(), "kl_window": list(window)})
-                barrier()
+                all_reduce(torch.zeros(1, device=device))  # a barrier: no rank runs ahead of the checkpoint
 
         # ---- teardown: the final adapter (and the EMA teacher's), in PEFT's layout; then the engine
         if is_main:
@@ -685,10 +731,15 @@ def main(argv=None):
             print(f"final adapter -> {out_dir / 'final'}")
             if tracker:
                 tracker.finish()
-        barrier()
+        all_reduce(torch.zeros(1, device=device))  # a barrier: every rank here before the engines stop
         stop_engine(llm)
     if dist.is_initialized():
         dist.destroy_process_group()
+
+def choose_attention_kernels():
+    """SDPA's flash, memory-efficient, math; not cuDNN's (NaN for a row whose keys are all masked; as vLLM chooses)."""
+    for kernel, on in (("flash", True), ("mem_efficient", True), ("math", True), ("cudnn", False)):
+        getattr(torch.backends.cuda, f"enable_{kernel}_sdp")(on)
 
 def init_distributed(device_flag):
     """(rank, world size, device); the process group under torchrun; the environment vLLM's engine must see."""
@@ -698,8 +749,9 @@ def init_distributed(device_flag):
     device = torch.device(f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}" if use_cuda else "cpu")
     if use_cuda:
         torch.cuda.set_device(device)  # vLLM builds its engine on the current device
-    if WORLD_SIZE > 1:
-        dist.init_process_group("nccl" if use_cuda else "gloo")
+    choose_attention_kernels()
+    if WORLD_SIZE > 1:  # until the first step ends, a slow node may still be loading its model
+        dist.init_process_group("nccl" if use_cuda else "gloo", timeout=timedelta(minutes=30))
     # What the push needs, whatever was exported: the engine in this process (another process cannot take the weights'
     # generator); full-precision float32 matmuls in trainer and vLLM (a TF32 GEMM on the identity rounds the read-back).
     for name, value in (("VLLM_ENABLE_V1_MULTIPROCESSING", "0"), ("VLLM_FLOAT32_MATMUL_PRECISION", "highest")):
@@ -798,7 +850,7 @@ def select_hard(rows, name):
 # checkpoints written aside and renamed, never half-written
 
 def load_model(args, device):
-    """The model with LoRA on all seven projections, after the guards; every rank checks it drew the same LoRA."""
+    """The model with LoRA on all seven projections, after the guards."""
     from transformers import AutoModelForCausalLM
     model = AutoModelForCausalLM.from_pretrained(args.model, dtype=getattr(torch, args.dtype)).to(device)
     disable_dropout(model)
@@ -809,7 +861,6 @@ def load_model(args, device):
         lora_params = add_lora(model, args.lora_r, args.lora_alpha, seed=args.seed)
     except ValueError as e:
         fail(f"--model {args.model}: LoRA needs all of {', '.join(LORA_TARGETS)}, but {e}.")
-    check_same_on_every_rank(lora_params)
     if args.gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model.train()  # for gradient checkpointing; dropout is off
@@ -872,8 +923,8 @@ def restore(checkpoint, model, lora_params, optimizer):
     return state["step"], ema, deque(state["kl_window"])
 
 def save_run_state(out_dir, model, lora_params, ema, args, state=None):
-    """checkpoint-<step>/ (with `state`) or final/: the student adapter, the EMA teacher's in ema/, the step, optimizer
-    and KL window. No RNG state: data order and sampling seeds are functions of (seed, step)."""
+    """checkpoint-<step>/ (with `state`) or final/: the adapters (the EMA teacher's in ema/), step, optimizer and
+    KL window, flushed; no RNG state: data order and sampling seeds are functions of (seed, step)."""
     final_dir = Path(out_dir) / (f"checkpoint-{state['step']}" if state else "final")
     tmp = final_dir.with_name(f".tmp-{final_dir.name}")
     shutil.rmtree(tmp, ignore_errors=True)
@@ -883,8 +934,17 @@ def save_run_state(out_dir, model, lora_params, ema, args, state=None):
             save_adapter(model, tmp / "ema", args.model)
     if state is not None:
         torch.save(state, tmp / "trainer_state.pt")
+    for path in [*tmp.rglob("*"), tmp]:  # on disk before the rename, and the rename after it: a power loss leaves
+        flush(path)                      # the old checkpoint or the new one, whole
     shutil.rmtree(final_dir, ignore_errors=True)
     os.rename(tmp, final_dir)
+    flush(final_dir.parent)
+
+def flush(path):
+    """fsync a file or a directory (a directory's entries: a rename in it)."""
+    fd = os.open(path, os.O_RDONLY)
+    os.fsync(fd)
+    os.close(fd)
 
 # -----------------------------------------------------------------------------
 # Logs: args.json, the step line, metrics.jsonl and rollouts.jsonl; Weights & Biases when asked
@@ -916,11 +976,10 @@ def record_step(line):
 def write_atomically(path, text):
     tmp = path.with_name(f".tmp-{path.name}")
     tmp.write_text(text)
+    flush(tmp)
     os.replace(tmp, path)
 
-# The sampler/trainer gap's floor with identical weights, measured on CPU kernels only (tiny Qwen3, mean): ~1e-6 in
-# float32, ~1e-2 in bf16 (~2e-2 at lr 1e-4). GPU floors are not yet measured: a warning on the step line, no stop.
-GAP_ALARM = {"float32": 1e-4, "bfloat16": 5e-2}
+GAP_ALARM = {"float32": 1e-4, "bfloat16": 5e-2}  # the gap's floor on CPU kernels: ~1e-6, ~1e-2; a warning, no stop
 
 def log_step(args, record, rollouts, tracker):
     """Rank 0: the step line, metrics.jsonl, the rollouts when due (rollouts.jsonl), Weights & Biases."""
@@ -954,8 +1013,7 @@ RESUMABLE_CHANGES = ("output_dir", "resume", "overwrite", "micro_batch_size", "g
                      "loss_chunk_size", "vllm_memory", "device", "save_every", "kl_window", "log_rollouts_every",
                      "wandb_project")
 
-def run_files(out_dir):
-    """What a run leaves in its directory."""
+def run_files(out_dir):  # what a run leaves in its directory
     names = ["args.json", "metrics.jsonl", "rollouts.jsonl", "final"]
     return [out_dir / n for n in names if (out_dir / n).exists()] + sorted(out_dir.glob("checkpoint-*"))
 
@@ -966,7 +1024,7 @@ def latest_checkpoint(out_dir):
 def check_output_dir(args, rank):
     """Before anything loads: (checkpoint to resume, its recorded fingerprint), (None, None) if new, or why not."""
     out_dir = Path(args.output_dir)
-    try:  # every rank probes with its own file, so every rank stops together
+    try:  # every rank probes with its own file
         out_dir.mkdir(parents=True, exist_ok=True)
         probe = out_dir / f".write-test-{rank}"
         probe.write_text("")
@@ -980,7 +1038,8 @@ def check_output_dir(args, rank):
                  "--resume to continue it, --overwrite to replace it, or choose another --output-dir.")
         return None, None
     if not (out_dir / "args.json").is_file():
-        fail(f"--resume: {out_dir} holds no run to resume (no args.json).")
+        fail(f"--resume: {out_dir} holds no run to resume (no args.json)" + (WORLD_SIZE > 1) * "; across nodes "
+             "--output-dir must be one directory that every rank sees" + ".")
     saved = json.loads((out_dir / "args.json").read_text())
     if "fingerprint" not in saved:
         fail(f"--resume: {out_dir / 'args.json'} records no run fingerprint (an older opsd.py wrote it), so the "
@@ -995,6 +1054,14 @@ def check_output_dir(args, rank):
     checkpoint = latest_checkpoint(out_dir)
     if checkpoint is None:
         fail(f"--resume: {out_dir} holds no checkpoint yet; restart the run with --overwrite.")
+    load = {".safetensors": load_file, ".json": lambda f: json.loads(f.read_text()),
+            ".pt": lambda f: torch.load(f, map_location="cpu", weights_only=True)}
+    for path in sorted(checkpoint.rglob("*.*")):  # every file loads, before a model does: a write cut short
+        try:
+            load[path.suffix](path)
+        except Exception as e:  # a damaged file fails in its loader's own way: each means the same to a user
+            fail(f"--resume: {path} does not load ({type(e).__name__}): delete {checkpoint} to resume from the "
+                 "checkpoint before it, or start afresh with --overwrite.")
     return checkpoint, saved["fingerprint"]
 
 def run_fingerprint(args, prompts, device):
@@ -1099,11 +1166,11 @@ def check_same_on_every_rank(lora_params):
     checksum = torch.cat([p.detach().flatten() for p in lora_params]).double().sum()
     high, neg_low = all_reduce(torch.stack([checksum, -checksum]), dist.ReduceOp.MAX).tolist()
     if high != -neg_low:
-        fail(f"the ranks drew different LoRA initialisations (checksums {-neg_low!r} to {high!r}); they must "
-             "start from the same adapter: check that every rank runs the same opsd.py, torch and --seed.")
+        fail(f"the ranks hold different LoRA weights (checksums {-neg_low!r} to {high!r}); they must start from the "
+             "same adapter: check that every rank runs the same opsd.py, torch and --seed, and resumes the same files.")
 
 # -----------------------------------------------------------------------------
-# While it runs: each weight push read back, no update from a non-finite loss, a quiet stop on Ctrl-C or SIGTERM
+# While it runs: each push read back, no update from a non-finite loss; a rank that stops says why, none waits for it
 
 def push_checked(llm, model, out_dir):
     """push_weights; when a rank's engine does not hold what was sent, every rank stops and the lowest such says why."""
@@ -1118,10 +1185,24 @@ def check_finite(step, loss, grad_norm, out_dir):
         fail(f"step {step + 1}: non-finite loss ({loss}) or gradient norm ({grad_norm}); "
              f"stopped before the update, last checkpoint: {latest_checkpoint(out_dir) or 'none'}.")
 
+def words_of_ranks(word, wait=True):
+    """Leave this rank's word in torchrun's store (every node reaches it); {rank: its word, or None after 5 s}."""
+    try:
+        store, attempt = dist.distributed_c10d._get_default_store(), os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)
+        keys = [f"opsd/{attempt}/stopped/{r}" for r in range(WORLD_SIZE)]
+        store.set(keys[RANK], word)
+        with suppress(RuntimeError, dist.DistError):  # a rank that never answers: the wait times out
+            store.wait(keys, timedelta(seconds=5)) if wait else None
+        return {r: store.get(k).decode() if store.check([k]) else None for r, k in enumerate(keys)}
+    except (RuntimeError, ValueError, dist.DistError):  # no process group, or its store is gone
+        return {RANK: word}
+
 @contextmanager
-def stop_quietly_on_signals(args, world_size, argv):
-    """Whatever a signal interrupts (sampling, a collective another rank left), the run ends here: one line
-    on rank 0, then every rank exits at once, without vLLM's teardown (which could wait on a dead rank)."""
+def stopping_together(args, argv):
+    """However a rank stops, it says why in one line, and the others end with it (one node: torchrun signals them;
+    across nodes: the collective timeout). Its own refusal or error (an out-of-memory in a sentence, a bug with its
+    traceback) is said by it and left in torchrun's store; after a signal or a lost rank, rank 0 says an interrupt of
+    all (with the command that resumes), else each names the rank that stopped first; then it exits at once."""
     progress = {"step": None, "signal": None}
 
     def on_signal(signum, frame):
@@ -1130,21 +1211,40 @@ def stop_quietly_on_signals(args, world_size, argv):
     previous = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
         yield progress
-    except BaseException:
-        if progress["signal"] is None:
-            raise
-        last, step = latest_checkpoint(args.output_dir), progress["step"]
+    except BaseException as e:
+        for s in previous:  # torchrun's SIGTERM, when another rank ends, must not cut this short
+            signal.signal(s, signal.SIG_IGN)
+        step, last, sig = progress["step"], latest_checkpoint(args.output_dir), progress["signal"]
         where = f"at step {step + 1} of {args.max_steps}" if step is not None else "before the first step"
-        command = [a for a in (sys.argv[1:] if argv is None else argv) if a not in ("--overwrite", "--resume")]
-        launcher = f"torchrun --nproc_per_node {world_size} opsd.py" if world_size > 1 else "python opsd.py"
-        print0(f"opsd.py: interrupted {where}; " + (f"the last checkpoint is {last}; continue with: {launcher} "
-               f"{shlex.join(command)} --resume" if last else "no checkpoint yet, so nothing to resume."),
-               file=sys.stderr)
-        sys.stdout.flush()
-        os._exit(128 + progress["signal"])
+        if sig is None and not isinstance(e, RankLost):  # this rank's own refusal or error
+            oom = isinstance(e, torch.OutOfMemoryError)
+            text = e.text if isinstance(e, Refusal) else error_file(
+                f"opsd.py: error: rank {RANK}: out of memory {where} ({str(e).splitlines()[0]}): lower "
+                f"--micro-batch-size, --loss-chunk-size or --vllm-memory; the last checkpoint is {last or 'none'}."
+            ) if oom else f"{type(e).__name__}: {e}"
+            words_of_ranks(text, wait=False)
+            if not oom:
+                raise
+            print(text, file=sys.stderr, flush=True)
+            os._exit(1)
+        words = words_of_ranks("signal" if sig else "lost")
+        first = min((r for r, w in words.items() if w not in ("signal", "lost")), default=None)
+        if first is None:  # every rank signalled (the user's Ctrl-C, a scheduler's stop), or left with them
+            command = [a for a in (sys.argv[1:] if argv is None else argv) if a not in ("--overwrite", "--resume")]
+            launcher = f"torchrun --nproc_per_node {WORLD_SIZE}" if WORLD_SIZE > 1 else "python"
+            print0(f"opsd.py: interrupted {where}; " + (f"the last checkpoint is {last}; continue with: {launcher} "
+                   f"opsd.py {shlex.join(command)} --resume" if last else "no checkpoint yet, so nothing to resume."),
+                   file=sys.stderr)
+        else:
+            why = "stopped first (its error is in its log)" if words[first] else "ended without a word (killed?)"
+            print(error_file(f"opsd.py: rank {RANK} stopped {where}: rank {first} {why}; the last checkpoint is "
+                             f"{last or 'none'}."), file=sys.stderr, flush=True)
+        os._exit(128 + sig if sig else 1)  # not vLLM's teardown, which could wait on a dead rank
     finally:
         for s, handler in previous.items():
             signal.signal(s, handler)
 
 if __name__ == "__main__":
-    main()
+    # torch's recorder: an error escaping main() (a bug, not a refusal) goes into torchrun's report with its traceback
+    from torch.distributed.elastic.multiprocessing.errors import record
+    record(main)()

@@ -193,4 +193,4 @@ def test_ranks_refuse_to_train_from_different_lora_inits(tiny_model_dir, tmp_pat
     assert same.returncode == 0 and same.stdout.count("same init") == 2, same.stderr[-2000:]
     other = subprocess.run(launch + ["1"], capture_output=True, text=True, timeout=300)  # seeds 0 and 1
     assert other.returncode != 0 and "same init" not in other.stdout
-    assert said(other.stderr, "opsd.py: error: the ranks drew different LoRA initialisations") == 1, other.stderr[-2000:]
+    assert said(other.stderr, "opsd.py: error: the ranks hold different LoRA weights") == 1, other.stderr[-2000:]

@@ -54,7 +54,7 @@ def test_opsd_reads_method_first_within_its_line_budget():
     lines = (ROOT / "opsd.py").read_text().splitlines()
     first = {name: next(i for i, l in enumerate(lines, 1) if l.startswith(f"def {name}(")) for name in
              ("token_divergence", "main")}
-    assert first["token_divergence"] < 400 and len(lines) <= 1150
+    assert first["token_divergence"] < 400 and len(lines) <= 1250
     main_end = next(i for i in range(first["main"], len(lines)) if lines[i] and not lines[i].startswith((" ", ")")))
     assert main_end - first["main"] + 1 <= 120
     for name in ("opsd.py", "eval.py"):
