@@ -90,7 +90,13 @@ def test_smoke_run_passes_without_vllm(smoke):
         assert all(isinstance(r[part][field], float) for part, field in MIB_FIELDS)
         assert loss["chunked_below_naive"] is True and loss["peak_mib"] < loss["naive_peak_mib"]
 
+    # training's kernel choice, taken from opsd.py; the batch under it ran SDPA's CPU kernel, forward and backward
+    assert r["sdpa_enabled"] == {"flash": True, "mem_efficient": True, "math": True, "cudnn": False}
     padded = r["padded_batch"]
+    if r["device"] == "cpu":
+        ran = padded["backends"]["default"]["kernels_ran"]
+        assert ran == ["flash_attention_for_cpu", "flash_attention_for_cpu_backward"], ran
+    assert padded["backends"]["math"]["kernels_ran"] == ["attention_math"]
     assert padded["passed"] is True and padded["alone_finite"] is True
     assert padded["backends"].keys() == {"default", "flash", "efficient", "cudnn", "math"}
     for name, b in padded["backends"].items():
@@ -422,3 +428,23 @@ def test_the_readback_shapes_are_qwen3_1_7b_s():
         (2048, 2048): ["q_proj", "o_proj"], (1024, 2048): ["k_proj", "v_proj"],
         (6144, 2048): ["gate_proj", "up_proj"], (2048, 6144): ["down_proj"],
         (4096, 2048): ["qkv_proj"], (12288, 2048): ["gate_up_proj"]}
+
+
+def test_training_chooses_the_attention_kernels_in_one_place_whatever_was_set_before():
+    """opsd.choose_attention_kernels, which init_distributed calls before any model is built, sets all four SDPA
+    switches, so the choice is the same whatever was set before it (importing vLLM's CUDA platform sets cuDNN's)."""
+    import itertools
+
+    import opsd
+
+    b = torch.backends.cuda
+    switches = ("flash", "mem_efficient", "math", "cudnn")
+    try:
+        for before in itertools.product([False, True], repeat=4):
+            for name, on in zip(switches, before):
+                getattr(b, f"enable_{name}_sdp")(on)
+            opsd.init_distributed("cpu") if before == (False, False, False, True) else opsd.choose_attention_kernels()
+            assert [getattr(b, f"{name}_sdp_enabled")() for name in switches] == [True, True, True, False], before
+    finally:
+        for name in switches:
+            getattr(b, f"enable_{name}_sdp")(True)

@@ -180,36 +180,26 @@ def without_timings(records):
     return [{k: v for k, v in r.items() if k not in TIMINGS} for r in records]
 
 
-def kill_job(launcher):
-    """SIGKILL a torchrun job. Its workers run in sessions of their own, so killing the launcher's process group
-    would leave them training: kill each worker (the launcher's children), then the launcher."""
-    def stat(pid):  # (state, parent pid) from /proc/<pid>/stat, or None once the process is gone
-        try:
-            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-            return fields[0], int(fields[1])
-        except (OSError, IndexError, ValueError):
-            return None
-    workers = [int(d.name) for d in Path("/proc").iterdir() if d.name.isdigit() and (stat(d.name) or "xx")[1] == launcher.pid]
-    assert workers, "the launcher has no workers to kill"
-    for pid in workers:
-        os.kill(pid, signal.SIGKILL)
-    launcher.kill()
-    launcher.wait()
-    while any(stat(pid) and stat(pid)[0] != "Z" for pid in workers):  # dead, or a zombie that can write nothing
-        time.sleep(0.05)
-
-
-def test_sigkill_after_a_checkpoint_then_resume_gives_the_same_adapter_and_metrics(entry_run, tiny_model_dir, tmp_path):
+def test_a_kill_of_one_rank_ends_the_other_in_one_line_and_the_run_resumes_to_the_same_adapter(entry_run,
+                                                                                              tiny_model_dir, tmp_path):
+    """kill -9 of rank 1 in step 3 (after checkpoint-2): torchrun ends rank 0, which says in one line, without a
+    traceback, that rank 1 left no word; then a resume ends on the uninterrupted run's adapter and records."""
     reference, _ = entry_run
-    out = tmp_path / "killed"
+    out, logs = tmp_path / "killed", tmp_path / "logs"
     cmd = opsd_command(tiny_model_dir, out, "--clip", "entry", "--max-steps", "5", "--save-every", "2")
-    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
-    deadline = time.time() + 300
-    while not (out / "checkpoint-2" / "trainer_state.pt").exists():
-        assert proc.poll() is None and time.time() < deadline, "the run ended before writing checkpoint-2"
-        time.sleep(0.05)
-    kill_job(proc)
-    assert not (out / "final").exists(), "the kill came too late to test anything"
+    opsd_at = cmd.index(str(ROOT / "opsd.py"))
+    faulty = cmd[:opsd_at] + ["--log-dir", str(logs), "--redirects", "3", str(ROOT / "tests" / "fault_launch.py")]
+    proc = subprocess.run(faulty + cmd[opsd_at + 1:], capture_output=True, text=True, timeout=300, cwd=ROOT,
+                          env={**os.environ, "FAULT": "kill"})
+    end = time.time()
+    ranks = {int(p.parent.name): p.read_text() for p in logs.glob("*/attempt_0/*/stderr.log")}
+    fault_at = float(next(line for line in ranks[1].splitlines() if line.startswith("fault at ")).split()[-1])
+    assert proc.returncode != 0 and end - fault_at < 15, (end - fault_at, proc.stderr[-2000:])
+    assert said(ranks[0], "opsd.py: rank 0 stopped at step 3 of 5: rank 1 ended without a word (killed?); the last "
+                          f"checkpoint is {out / 'checkpoint-2'}.") == 1, ranks[0][-2000:]
+    assert "Traceback" not in ranks[0] and "interrupted" not in ranks[0]
+    assert "Signal 9 (SIGKILL)" in proc.stderr.split("Root Cause (first observed failure):", 1)[1]
+    assert not (out / "final").exists() and not (out / "checkpoint-4").exists()
     for name in ("metrics.jsonl", "rollouts.jsonl"):  # and a line cut in the middle of a write, as a kill can leave
         with open(out / name, "a") as f:
             f.write('{"step": 5, "loss": 0.1')
@@ -359,3 +349,59 @@ def test_a_signal_stops_every_rank_in_one_line_and_the_run_resumes(sig, entry_ru
     if sig == signal.SIGINT:  # that it resumes to the uninterrupted run: once here, and after a SIGKILL above
         run(resume)
         assert without_timings(metrics(out)) == without_timings(metrics(reference))
+
+
+# -- checkpoints on disk: flushed before they are named, refused when a file does not load ---------------------------
+
+
+def test_a_checkpoint_is_flushed_before_its_rename_and_its_directory_after(tiny_model_dir, tmp_path, monkeypatch):
+    model, params = lora_model(tiny_model_dir)
+    events, rename = [], os.rename
+    monkeypatch.setattr(opsd, "flush", lambda path: events.append(("flush", Path(path))))
+    monkeypatch.setattr(opsd.os, "rename", lambda a, b: (events.append(("rename", Path(b))), rename(a, b)))
+    args = opsd.parse_args(["--model", tiny_model_dir])
+    opsd.save_run_state(tmp_path, model, params, [p.detach().clone() for p in params], args,
+                        state={"step": 3, "optimizer": {}, "kl_window": []})
+    final = tmp_path / "checkpoint-3"
+    renamed = events.index(("rename", final))
+    flushed = {path.relative_to(tmp_path / ".tmp-checkpoint-3") for kind, path in events[:renamed]}
+    on_disk = {path.relative_to(final) for path in final.rglob("*")}
+    assert on_disk == {Path(n) for n in ("adapter_model.safetensors", "adapter_config.json", "trainer_state.pt", "ema",
+                                         "ema/adapter_model.safetensors", "ema/adapter_config.json")}
+    assert flushed == on_disk | {Path(".")}  # every file and directory, then the rename, then the directory holding it
+    assert events[renamed + 1:] == [("flush", tmp_path)]
+
+
+def test_resume_refuses_a_checkpoint_whose_file_does_not_load(entry_run, tiny_model_dir, tmp_path, capsys):
+    finished, _ = entry_run
+    same = ["--clip", "entry", "--save-every", "2", "--max-steps", "5", "--prompts-per-step", "4",
+            "--micro-batch-size", "1", "--max-new-tokens", "32", "--dtype", "float32", "--log-rollouts-every", "2"]
+    names = sorted(p.name for p in (finished / "checkpoint-4").iterdir())
+    assert names == ["adapter_config.json", "adapter_model.safetensors", "trainer_state.pt"]
+    for name in names:
+        out = tmp_path / name  # what a kill after checkpoint-4 leaves, with one file cut short (a disk that lied)
+        shutil.copytree(finished, out, ignore=shutil.ignore_patterns("final"))
+        damaged = out / "checkpoint-4" / name
+        damaged.write_bytes(damaged.read_bytes()[:damaged.stat().st_size // 2])
+        with pytest.raises(SystemExit) as stop:
+            opsd.main(["--model", tiny_model_dir, "--dataset", str(DATA), "--device", "cpu", "--output-dir", str(out),
+                       "--resume", *same])
+        err = capsys.readouterr().err
+        assert stop.value.code == 2 and err.startswith(f"opsd.py: error: --resume: {damaged} does not load ("), err
+        assert err.endswith(f"delete {out / 'checkpoint-4'} to resume from the checkpoint before it, or start afresh "
+                            "with --overwrite.\n") and err.count("\n") == 1
+
+
+def test_resume_on_a_rank_that_does_not_see_the_run_is_refused_by_that_rank(entry_run, tiny_model_dir, tmp_path):
+    finished, _ = entry_run
+    out, elsewhere, logs = tmp_path / "run", tmp_path / "node-local", tmp_path / "logs"
+    shutil.copytree(finished, out, ignore=shutil.ignore_patterns("final"))
+    cmd = opsd_command(tiny_model_dir, out, "--clip", "entry", "--max-steps", "5", "--save-every", "2", "--resume")
+    opsd_at = cmd.index(str(ROOT / "opsd.py"))
+    cmd[opsd_at:opsd_at + 1] = ["--log-dir", str(logs), "--redirects", "3", str(ROOT / "tests" / "fault_launch.py")]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=ROOT,
+                          env={**os.environ, "FAULT": f"output-dir:{elsewhere}"})
+    ranks = {int(p.parent.name): p.read_text() for p in logs.glob("*/attempt_0/*/stderr.log")}
+    assert proc.returncode != 0 and "opsd.py" not in ranks[0] and "Traceback" not in ranks[0] + ranks[1]
+    assert said(ranks[1], f"opsd.py: error: rank 1: --resume: {elsewhere} holds no run to resume (no args.json); "
+                          "across nodes --output-dir must be one directory that every rank sees.") == 1, ranks[1]

@@ -517,6 +517,13 @@ def score_rows(model, lora_params, rows, num_tokens, chunk_size):
     return means, loss.item(), query_rows_without_key(s_in) + query_rows_without_key(t_in)
 
 
+def kernels_ran(prof):
+    """The SDPA kernels (ATen's op names, forward and backward) a profiled run dispatched to, e.g.
+    'efficient_attention' and 'efficient_attention_backward' on CUDA, 'flash_attention_for_cpu' on a CPU."""
+    prefix = "aten::_scaled_dot_product_"
+    return sorted({e.name.removeprefix(prefix) for e in prof.events() if e.name.startswith(prefix)})
+
+
 def lora_grad(lora_params):
     return torch.cat([p.grad.flatten().float() for p in lora_params])
 
@@ -557,13 +564,14 @@ def check_padded(s, device):
         forced = name != "default"
         context = sdpa_kernel([getattr(SDPBackend, SDPA_BACKENDS[name])]) if forced else contextlib.nullcontext()
         zero_grads(lora_params)
-        with context:
+        with context, torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
             means, loss, empty = score_rows(model, lora_params, rows, num_tokens, s["chunk_size"])
         grad = lora_grad(lora_params)
         finite = math.isfinite(loss) and all(map(math.isfinite, means)) and bool(torch.isfinite(grad).all())
         row_rel = [rel_diff(m, a) for m, a in zip(means, alone)]
         grad_rel = ((grad - alone_grad).norm() / alone_grad.norm()).item()
         return {"loss": loss, "row_losses": means, "finite": finite, "query_rows_without_key": empty,
+                "kernels_ran": kernels_ran(prof),
                 "max_row_rel_diff": max(row_rel), "grad_rel_diff": grad_rel,
                 "passed": finite and max(row_rel) <= PADDED_TOLERANCE["row_loss"]
                 and grad_rel <= PADDED_TOLERANCE["grad"]}
@@ -713,10 +721,13 @@ def main(argv=None):
     if cuda:
         torch.cuda.set_device(device)
     s = SIZES["smoke" if args.smoke else "full"]
+    opsd.choose_attention_kernels()  # training's choice, which padded_batch's "default" runs under
     import transformers
 
     results = {"device": torch.cuda.get_device_name(device) if cuda else "cpu", "torch": torch.__version__,
-               "transformers": transformers.__version__, "smoke": args.smoke, "finished": False}
+               "transformers": transformers.__version__, "smoke": args.smoke, "finished": False,
+               "sdpa_enabled": {k: getattr(torch.backends.cuda, f"{k}_sdp_enabled")()
+                                for k in ("flash", "mem_efficient", "math", "cudnn")}}
     log(f"{results['device']}, torch {results['torch']}, transformers {results['transformers']}, "
         f"{'smoke' if args.smoke else 'full'} sizes")
     for key, part in PARTS:

@@ -1,0 +1,37 @@
+"""opsd.py with one fault on rank 1 alone, for tests/test_ranks.py and tests/test_train.py (not collected by pytest):
+
+    FAULT=oom|kill|data:PATH|output-dir:PATH torchrun --nproc_per_node 2 tests/fault_launch.py OPSD_FLAGS...
+
+data:PATH and output-dir:PATH give rank 1 another --dataset or --output-dir (a file that is not there, a corrupt one,
+a directory the other rank does not see); oom raises torch.OutOfMemoryError in rank 1's third step, kill sends
+rank 1 SIGKILL there. Rank 1 prints "fault at <unix time>" to stderr just before an oom or kill."""
+
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+import opsd  # noqa: E402
+
+kind, _, value = os.environ["FAULT"].partition(":")
+if os.environ["RANK"] == "1":
+    if kind in ("data", "output-dir"):
+        flag = "--dataset" if kind == "data" else "--output-dir"
+        sys.argv[sys.argv.index(flag) + 1] = value
+    else:
+        step, calls = opsd.backward_step, []
+
+        def faulty_step(*args, **kwargs):
+            calls.append(None)
+            if len(calls) == 3:
+                print(f"fault at {time.time()}", file=sys.stderr, flush=True)
+                if kind == "oom":
+                    raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB (a test's fault)")
+                os.kill(os.getpid(), signal.SIGKILL)
+            return step(*args, **kwargs)
+        opsd.backward_step = faulty_step
+opsd.main()
