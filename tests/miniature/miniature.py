@@ -1100,6 +1100,13 @@ def kl_profile(kl, lengths, tau):
             "released_recipe_qwen3_1.7b": {"kl_mean": [0.10, 0.19], "frac_above_0.05": [0.35, 0.50]}}
 
 
+def repo_path(path):
+    """How a record names a file: relative to the repository's root when inside it (tests/miniature/model), so the
+    record holds on any checkout; as given otherwise (a model elsewhere on the machine that ran it)."""
+    path = Path(path).resolve()
+    return str(path.relative_to(ROOT)) if path.is_relative_to(ROOT) else str(path)
+
+
 def write_step1_profile(reference=DATA / "reference_step.json", model_dir=SHIPPED_MODEL):
     """step1_kl.json from the fixture's rows (the step-1 rollouts), without sampling them again."""
     from transformers import AutoTokenizer
@@ -1148,7 +1155,7 @@ def write_reference_step(path, model_dir=SHIPPED_MODEL, seed=REFERENCE_SEED):
                  " positions of the teacher's probability on entries with p_T(v) (log p_T(v) - log p_S(v)) > tau. A "
                  "position predicts a completion token from the prompt and the completion tokens before it, at "
                  "positions 0, 1, 2, ... from the prompt's first token.",
-        "model": str(Path(model_dir).relative_to(ROOT)) if Path(model_dir).is_relative_to(ROOT) else str(model_dir),
+        "model": repo_path(model_dir),
         "model_sha256_16": model_digest(model_dir), "positions": sum(map(len, completions)),
         "settings": settings, "expected": expected}
     # one row per line: the file stays readable and diffs stay small
@@ -1368,7 +1375,7 @@ def select(args, out, files, train, dev, heldout, dev_scorer, timed):
     model_dir, _ = load_starting_model(args.start_model, train, heldout)
     path = out / "selection.json"
     selection = json.loads(path.read_text()) if args.resume and path.is_file() else {
-        "model": str(model_dir), "steps": args.steps, "every": args.curve_every, "runs": {}}
+        "model": repo_path(model_dir), "steps": args.steps, "every": args.curve_every, "runs": {}}
     base = selection.setdefault("base", None) or dev_scorer(model_dir).score(dev)
     selection["base"] = base
     tag = model_tag(args.start_model)

@@ -339,8 +339,8 @@ def run_dir(out, arm, seed, lr=None):
 def select(out, arms, lrs, model_dir, files, dev):
     """Dev selection, seed 1: each family's arm (entry, token, none, grpo: no skip) at each lr, a dev curve each."""
     path = out / "selection.json"
-    selection = json.loads(path.read_text()) if path.is_file() else {"model": str(model_dir), "steps": STEPS,
-                                                                      "every": EVERY, "runs": {}}
+    selection = json.loads(path.read_text()) if path.is_file() else {
+        "model": miniature.repo_path(model_dir), "steps": STEPS, "every": EVERY, "runs": {}}
     scorer = Scorers(model_dir)
     if "base" not in selection:
         selection["base"] = base_point(scorer(), dev, DEV_SEED, "dev")
