@@ -17,6 +17,15 @@ import ablation  # noqa: E402
 
 import opsd  # noqa: E402
 
+# A figure recomputed here through the float32 model, against the value committed from the machine that made it:
+# another CPU's kernels (AVX512 or not, other thread counts) round the logits differently, which moves these figures
+# by up to 3e-7 relative (measured); 1e-5 leaves 30x that, and a wrong temperature, tau, row or position moves them by
+# more than 1e-3. The shares and means above tau stay continuous only while no position sits on tau: NEAR_TAU
+# (checked on the rows; the closest position is 1.0e-3 of tau away at temperature 3.0, the closest entry 1.7e-3).
+FLOAT32_REL = 1e-5
+NEAR_TAU = 1e-4  # relative: 300x the drift; a position this close to tau could cross it on another CPU
+
+
 @pytest.fixture(scope="module")
 def task():
     return miniature.make_task()
@@ -122,8 +131,10 @@ def test_the_step1_profile_recomputes_two_ways(drift):
     committed = json.loads((folder / "step1_profile.json").read_text())
     assert ref["model_sha256_16"] == miniature.model_digest(model_dir)
     profile = ablation.step1_profile(folder / "reference_step.json", model_dir)
-    for key in ("kl_mean", "frac_above_tau", "clipped_mass_above_tau", "teacher_top_prob_above_tau"):
-        assert profile[key] == pytest.approx(committed[key], rel=1e-9), key
+    assert profile["positions"] == committed["positions"]  # counts: exact
+    assert profile["frac_above_tau"] == committed["frac_above_tau"]  # a share of counts (NEAR_TAU): exact
+    for key in ("kl_mean", "clipped_mass_above_tau", "teacher_top_prob_above_tau"):
+        assert profile[key] == pytest.approx(committed[key], rel=FLOAT32_REL), key
     # opsd.py's own per-position diagnostics (float32, chunked) against the float64 recomputation
     from transformers import AutoModelForCausalLM
 
@@ -139,6 +150,7 @@ def test_the_step1_profile_recomputes_two_ways(drift):
         kl.append(stats.kl)
         clipped.append(stats.clipped_mass)
     kl, clipped = torch.cat(kl).double(), torch.cat(clipped).double()
+    assert ((kl - 0.05).abs() > NEAR_TAU * 0.05).all()  # the exact share above tau holds on any CPU's kernels
     above = kl > 0.05
     assert kl.mean().item() == pytest.approx(committed["kl_mean"], rel=1e-4)
     assert abs(above.double().mean().item() - committed["frac_above_tau"]) <= 2 / len(kl)
@@ -146,7 +158,9 @@ def test_the_step1_profile_recomputes_two_ways(drift):
     assert ref["settings"] == {"temperature": 1.1, "tau": 0.05, "beta": 0.0}
     if drift:  # reported, not matched: the jumps put a large KL at the column starts
         jumps = ablation.jump_profile(folder / "reference_step.json", model_dir)
-        assert jumps == pytest.approx(committed["at_jump_positions"], rel=1e-9)
+        want = committed["at_jump_positions"]
+        assert jumps["jump_positions"] == want["jump_positions"]  # a count, from the committed rows: exact
+        assert jumps == pytest.approx(want, rel=FLOAT32_REL)
         assert jumps["kl_mean_at_jump_positions"] > 3 * jumps["kl_mean_elsewhere"]
         return
     # the profile is in the window the protocol asks for, by hand
@@ -268,8 +282,9 @@ def test_a_loss_temperature_alone_does_not_reach_the_profile():
     sweep = json.loads((ablation.HERE / "reasoning_miniature_temperatures.json").read_text())
     ref = json.loads((miniature.DATA / "reference_step.json").read_text())
     kl, clipped, _ = ablation.position_figures(miniature.SHIPPED_MODEL, ref["rows"], 3.0, 0.05)
-    assert sweep[-1]["temperature"] == 3.0
-    assert sweep[-1]["clipped_mass_above_tau"] == pytest.approx(clipped[kl > 0.05].mean().item(), rel=1e-9)
+    assert sweep[-1]["temperature"] == 3.0 and ((kl - 0.05).abs() > NEAR_TAU * 0.05).all()
+    assert sweep[-1]["clipped_mass_above_tau"] == pytest.approx(clipped[kl > 0.05].mean().item(), rel=FLOAT32_REL)
+    assert sweep[-1]["frac_above_tau"] == (kl > 0.05).double().mean().item()  # a share of counts: exact
     assert all(s["frac_above_tau"] < 0.35 / 1.5 for s in sweep)  # never inside the window's share above tau
     assert sweep[0]["clipped_mass_above_tau"] > 0.95 and sweep[-1]["clipped_mass_above_tau"] < 0.5
 
