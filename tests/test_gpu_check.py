@@ -448,3 +448,97 @@ def test_training_chooses_the_attention_kernels_in_one_place_whatever_was_set_be
     finally:
         for name in switches:
             getattr(b, f"enable_{name}_sdp")(True)
+
+
+# -- the memory budget (tests/gpu_check/budget.py): its trainer-side formula against measured peaks ------------------
+
+# One micro-batch through opsd.backward_step and an AdamW step on a tiny random Qwen3, in a process of its own whose
+# large blocks are each mapped apart (so resident memory follows the live tensors): the peak resident memory above
+# what the model and its LoRA already held, read from the kernel (VmHWM after a reset). Prints one JSON line.
+MEASURE = """
+import gc, json, os, sys, torch
+from pathlib import Path
+sys.path[:0] = [{root!r}, {gpu_check!r}]
+import opsd, gpu_check
+def rss(field):
+    return next(int(l.split()[1]) for l in Path("/proc/self/status").read_text().splitlines() if l.startswith(field))
+def peak(case):
+    s = dict(gpu_check.SIZES["smoke"], model=dict(gpu_check.TINY_QWEN3, **case["model"]),
+             dtype=getattr(torch, case["dtype"]))
+    model = gpu_check.build_model(s, torch.device("cpu"))
+    params = opsd.add_lora(model, case["lora_r"], 2.0 * case["lora_r"], seed=0)
+    if case["checkpointing"]:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={{"use_reentrant": False}})
+    model.train()
+    optimizer = torch.optim.AdamW(params, lr=1e-4)
+    g = torch.Generator().manual_seed(0)
+    ids = lambda n: [torch.randint(1, case["model"]["vocab_size"], (n,), generator=g).tolist()
+                     for _ in range(case["rows"])]
+    prompts, completions = ids(case["prompt"]), ids(case["answer"])
+    gc.collect()
+    Path("/proc/self/clear_refs").write_text("5")
+    base = rss("VmRSS")
+    opsd.backward_step(model, params, prompts, prompts, completions, pad_id=0, micro_batch_size=case["rows"],
+                       teacher="base", temperature=1.1, clip="token", tau=0.2, chunk_size=case["chunk"])
+    optimizer.step()
+    return (rss("VmHWM") - base) * 1024
+peaks = []
+for case in json.loads(sys.argv[1]):  # each case in a process of its own, forked after the imports
+    read, write = os.pipe()
+    if os.fork() == 0:
+        os.write(write, json.dumps(peak(case)).encode())
+        os._exit(0)
+    os.close(write)
+    peaks.append(json.loads(os.read(read, 1 << 16)))
+    os.wait()
+print(json.dumps(peaks))
+"""
+
+
+def budget_case(model, dtype, checkpointing, rows, prompt, answer, chunk=64, lora_r=8):
+    return dict(model=model, dtype=dtype, checkpointing=checkpointing, rows=rows, prompt=prompt, answer=answer,
+                chunk=chunk, lora_r=lora_r)
+
+
+BUDGET_CASES = [  # sizes apart from each other in width, depth, length and dtype, with and without checkpointing
+    budget_case(dict(hidden_size=256, intermediate_size=768, num_hidden_layers=4, num_attention_heads=4,
+                     num_key_value_heads=2, head_dim=64, vocab_size=4096), "float32", False, 2, 256, 256),
+    budget_case(dict(hidden_size=256, intermediate_size=768, num_hidden_layers=4, num_attention_heads=4,
+                     num_key_value_heads=2, head_dim=64, vocab_size=4096), "bfloat16", True, 2, 256, 256),
+    budget_case(dict(hidden_size=384, intermediate_size=1024, num_hidden_layers=3, num_attention_heads=6,
+                     num_key_value_heads=6, head_dim=64, vocab_size=8192), "bfloat16", False, 1, 512, 512, 128),
+    budget_case(dict(hidden_size=128, intermediate_size=512, num_hidden_layers=6, num_attention_heads=2,
+                     num_key_value_heads=1, head_dim=64, vocab_size=2048), "float32", True, 4, 128, 384, 256, 16),
+]
+BUDGET_MARGIN = 0.4  # the formula's trainer side (less the weights) within 40% of the measured peak, either way
+
+
+def test_the_budget_formula_is_within_its_margin_of_measured_peaks(tmp_path):
+    import budget
+    import gpu_check
+    from transformers import Qwen3Config
+
+    script = tmp_path / "measure.py"
+    script.write_text(MEASURE.format(root=str(ROOT), gpu_check=str(ROOT / "tests" / "gpu_check")))
+    env = dict(os.environ, MALLOC_MMAP_THRESHOLD_=str(256 << 10), OMP_NUM_THREADS="1")
+    proc = subprocess.run([sys.executable, str(script), json.dumps(BUDGET_CASES)], capture_output=True, text=True,
+                          timeout=300, env=env)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    rows = []
+    for case, measured in zip(BUDGET_CASES, json.loads(proc.stdout.strip().splitlines()[-1])):
+        fields = {k: v for k, v in dict(gpu_check.TINY_QWEN3, **case["model"]).items() if k != "rope_theta"}
+        config = Qwen3Config(**fields)
+        args = budget.opsd.parse_args(["--dtype", case["dtype"], "--micro-batch-size", str(case["rows"]),
+                                       "--prompts-per-step", str(case["rows"]), "--max-prompt-length",
+                                       str(case["prompt"]), "--max-new-tokens", str(case["answer"]),
+                                       "--loss-chunk-size", str(case["chunk"]), "--lora-r", str(case["lora_r"]),
+                                       "--lora-alpha", str(2 * case["lora_r"]),
+                                       "--gradient-checkpointing" if case["checkpointing"] else
+                                       "--no-gradient-checkpointing"])
+        total, lora = budget.count_parameters(config, args)
+        parts = budget.trainer_bytes(config, args, total, lora)
+        predicted = parts["activations"] + parts["loss_chunk"] + lora * 4 * 4  # the LoRA itself was already held
+        rows.append((case["dtype"], case["checkpointing"], measured / 2**20, predicted / 2**20))
+    print("budget: (dtype, checkpointing, measured MiB, predicted MiB):", rows)  # shown by pytest -s
+    for dtype, checkpointing, measured, predicted in rows:
+        assert abs(predicted / measured - 1) <= BUDGET_MARGIN, rows

@@ -345,9 +345,24 @@ def check_step(s, device):
     out["seconds"] = time.perf_counter() - t0
     out["peak_mib"] = torch.cuda.max_memory_allocated(device) / MIB if device.type == "cuda" else None
     out["finite"] = math.isfinite(out["loss"]) and math.isfinite(out["grad_norm"])
-    log(f"step: second step {out['seconds']:.2f} s, peak {out['peak_mib']} MiB (model {out['model_mib']} MiB), "
-        f"loss {out['loss']:.4f}")
+    out["budget_mib"] = budget_mib(s, model, lora_params)
+    log(f"step: second step {out['seconds']:.2f} s, peak {out['peak_mib']} MiB (model {out['model_mib']} MiB; "
+        f"budget.py's estimate {out['budget_mib']:.0f} MiB), loss {out['loss']:.4f}")
     return {"step": out}
+
+
+def budget_mib(s, model, lora_params):
+    """budget.py's trainer-side estimate (weights, LoRA state, activations, one loss chunk) for this step's sizes,
+    to stand beside the peak measured on CUDA."""
+    import budget
+
+    args = opsd.parse_args(["--dtype", str(s["dtype"])[6:], "--micro-batch-size", str(s["micro_batch"]),
+                            "--prompts-per-step", str(s["micro_batch"]), "--max-prompt-length", str(s["prompt_tokens"]),
+                            "--max-new-tokens", str(s["completion_tokens"]), "--lora-r", str(s["lora_r"]),
+                            "--lora-alpha", str(s["lora_alpha"]), "--loss-chunk-size", str(s["chunk_size"])])
+    lora = sum(p.numel() for p in lora_params)
+    parts = budget.trainer_bytes(model.config, args, sum(p.numel() for p in model.parameters()) - lora, lora)
+    return sum(parts.values()) / MIB
 
 
 # -----------------------------------------------------------------------------
