@@ -542,3 +542,16 @@ def test_the_budget_formula_is_within_its_margin_of_measured_peaks(tmp_path):
     print("budget: (dtype, checkpointing, measured MiB, predicted MiB):", rows)  # shown by pytest -s
     for dtype, checkpointing, measured, predicted in rows:
         assert abs(predicted / measured - 1) <= BUDGET_MARGIN, rows
+
+
+def test_the_budget_says_in_one_sentence_when_a_run_does_not_fit(capsys):
+    import budget
+
+    configs = ROOT / "tests" / "gpu_check" / "configs"
+    recommended = ["--clip", "token", "--tau", "0.2", "--skip-first-tokens", "1"]
+    assert budget.main(["--gpu-gib", "80", "--config", str(configs / "Qwen3-1.7B.json"), "--", *recommended]) == 0
+    out = capsys.readouterr().out
+    assert "1.72B parameters, LoRA 69.7M (r 64)" in out and "vllm            24.00 GiB" in out  # 0.3 of 80 GiB
+    assert budget.main(["--gpu-gib", "24", "--config", str(configs / "Qwen3-8B.json"), "--", *recommended]) == 1
+    err = capsys.readouterr().err.splitlines()
+    assert len(err) == 1 and err[0].startswith("budget.py: does not fit: ") and "--micro-batch-size" in err[0]
