@@ -249,7 +249,10 @@ def check_loss(s, device):
            "answer_positions": s["loss_positions"], "chunk_size": s["chunk_size"], "dtype": str(s["dtype"])[6:]}
     chunked()  # warm-up: kernels, cuBLAS handles
     out["loss"], out["seconds"], out["peak_mib"] = measure(chunked, device)
-    log(f"loss: chunked {out['seconds']:.3f} s, peak {out['peak_mib']} MiB")
+    import budget  # its loss chunk at these sizes (logits in bf16, LOSS_CHUNK_COPIES float32 copies), to stand beside
+    out["budget_mib"] = s["chunk_size"] * s["loss_vocab"] * (budget.LOSS_CHUNK_COPIES * 4 + 2 * 2) / MIB
+    log(f"loss: chunked {out['seconds']:.3f} s, peak {out['peak_mib']} MiB (budget.py's loss chunk "
+        f"{out['budget_mib']:.0f} MiB)")
     try:
         naive()
         out["naive_loss"], out["naive_seconds"], out["naive_peak_mib"] = measure(naive, device)
