@@ -502,8 +502,6 @@ def budget_case(model, dtype, checkpointing, rows, prompt, answer, chunk=64, lor
 
 BUDGET_CASES = [  # sizes apart from each other in width, depth, length and dtype, with and without checkpointing
     budget_case(dict(hidden_size=256, intermediate_size=768, num_hidden_layers=4, num_attention_heads=4,
-                     num_key_value_heads=2, head_dim=64, vocab_size=4096), "float32", False, 2, 256, 256),
-    budget_case(dict(hidden_size=256, intermediate_size=768, num_hidden_layers=4, num_attention_heads=4,
                      num_key_value_heads=2, head_dim=64, vocab_size=4096), "bfloat16", True, 2, 256, 256),
     budget_case(dict(hidden_size=384, intermediate_size=1024, num_hidden_layers=3, num_attention_heads=6,
                      num_key_value_heads=6, head_dim=64, vocab_size=8192), "bfloat16", False, 1, 512, 512, 128),
