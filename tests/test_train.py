@@ -405,3 +405,22 @@ def test_resume_on_a_rank_that_does_not_see_the_run_is_refused_by_that_rank(entr
     assert proc.returncode != 0 and "opsd.py" not in ranks[0] and "Traceback" not in ranks[0] + ranks[1]
     assert said(ranks[1], f"opsd.py: error: rank 1: --resume: {elsewhere} holds no run to resume (no args.json); "
                           "across nodes --output-dir must be one directory that every rank sees.") == 1, ranks[1]
+
+
+def test_ranks_that_resume_from_different_checkpoints_are_stopped_after_the_restore(entry_run, tiny_model_dir,
+                                                                                      tmp_path):
+    """Rank 1 reads a stale copy of the run (its newest checkpoint is 2, rank 0's is 4): the flags and fingerprint
+    agree, so only the check of the LoRA after the restore can see it."""
+    finished, _ = entry_run
+    out, stale, logs = tmp_path / "run", tmp_path / "stale", tmp_path / "logs"
+    shutil.copytree(finished, out, ignore=shutil.ignore_patterns("final"))
+    shutil.copytree(finished, stale, ignore=shutil.ignore_patterns("final", "checkpoint-4"))
+    cmd = opsd_command(tiny_model_dir, out, "--clip", "entry", "--max-steps", "5", "--save-every", "2", "--resume")
+    opsd_at = cmd.index(str(ROOT / "opsd.py"))
+    cmd[opsd_at:opsd_at + 1] = ["--log-dir", str(logs), "--redirects", "3", str(ROOT / "tests" / "fault_launch.py")]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=ROOT,
+                          env={**os.environ, "FAULT": f"output-dir:{stale}"})
+    ranks = {int(p.parent.name): p.read_text() for p in logs.glob("*/attempt_0/*/stderr.log")}
+    assert proc.returncode != 0 and "Traceback" not in ranks[0] + ranks[1]
+    assert said(ranks[0], "opsd.py: error: the ranks hold different LoRA weights") == 1, ranks[0][-2000:]
+    assert not (out / "final").exists() and not (out / "checkpoint-6").exists()
