@@ -180,6 +180,17 @@ def without_timings(records):
     return [{k: v for k, v in r.items() if k not in TIMINGS} for r in records]
 
 
+def run_with_fault(cmd, fault, logs):
+    """An opsd_command run through tests/fault_launch.py with `fault` on rank 1: (torchrun's process, the time it
+    ended, {rank: that rank's stderr}, read from torchrun's per-rank log files)."""
+    opsd_at = cmd.index(str(ROOT / "opsd.py"))
+    faulty = cmd[:opsd_at] + ["--log-dir", str(logs), "--redirects", "3", str(ROOT / "tests" / "fault_launch.py")]
+    proc = subprocess.run(faulty + cmd[opsd_at + 1:], capture_output=True, text=True, timeout=300, cwd=ROOT,
+                          env={**os.environ, "FAULT": fault})
+    end = time.time()
+    return proc, end, {int(p.parent.name): p.read_text() for p in logs.glob("*/attempt_0/*/stderr.log")}
+
+
 def test_a_kill_of_one_rank_ends_the_other_in_one_line_and_the_run_resumes_to_the_same_adapter(entry_run,
                                                                                               tiny_model_dir, tmp_path):
     """kill -9 of rank 1 in step 3 (after checkpoint-2): torchrun ends rank 0, which says in one line, without a
@@ -187,12 +198,7 @@ def test_a_kill_of_one_rank_ends_the_other_in_one_line_and_the_run_resumes_to_th
     reference, _ = entry_run
     out, logs = tmp_path / "killed", tmp_path / "logs"
     cmd = opsd_command(tiny_model_dir, out, "--clip", "entry", "--max-steps", "5", "--save-every", "2")
-    opsd_at = cmd.index(str(ROOT / "opsd.py"))
-    faulty = cmd[:opsd_at] + ["--log-dir", str(logs), "--redirects", "3", str(ROOT / "tests" / "fault_launch.py")]
-    proc = subprocess.run(faulty + cmd[opsd_at + 1:], capture_output=True, text=True, timeout=300, cwd=ROOT,
-                          env={**os.environ, "FAULT": "kill"})
-    end = time.time()
-    ranks = {int(p.parent.name): p.read_text() for p in logs.glob("*/attempt_0/*/stderr.log")}
+    proc, end, ranks = run_with_fault(cmd, "kill", logs)
     fault_at = float(next(line for line in ranks[1].splitlines() if line.startswith("fault at ")).split()[-1])
     assert proc.returncode != 0 and end - fault_at < 15, (end - fault_at, proc.stderr[-2000:])
     assert said(ranks[0], "opsd.py: rank 0 stopped at step 3 of 5: rank 1 ended without a word (killed?); the last "
@@ -392,16 +398,19 @@ def test_resume_refuses_a_checkpoint_whose_file_does_not_load(entry_run, tiny_mo
                             "with --overwrite.\n") and err.count("\n") == 1
 
 
-def test_resume_on_a_rank_that_does_not_see_the_run_is_refused_by_that_rank(entry_run, tiny_model_dir, tmp_path):
+def resume_with_rank_1_in(rank_1_dir, entry_run, tiny_model_dir, tmp_path):
+    """Resume a copy of the entry run (killed after checkpoint-4) with rank 1 reading `rank_1_dir` instead."""
     finished, _ = entry_run
-    out, elsewhere, logs = tmp_path / "run", tmp_path / "node-local", tmp_path / "logs"
+    out = tmp_path / "run"
     shutil.copytree(finished, out, ignore=shutil.ignore_patterns("final"))
     cmd = opsd_command(tiny_model_dir, out, "--clip", "entry", "--max-steps", "5", "--save-every", "2", "--resume")
-    opsd_at = cmd.index(str(ROOT / "opsd.py"))
-    cmd[opsd_at:opsd_at + 1] = ["--log-dir", str(logs), "--redirects", "3", str(ROOT / "tests" / "fault_launch.py")]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=ROOT,
-                          env={**os.environ, "FAULT": f"output-dir:{elsewhere}"})
-    ranks = {int(p.parent.name): p.read_text() for p in logs.glob("*/attempt_0/*/stderr.log")}
+    proc, _, ranks = run_with_fault(cmd, f"output-dir:{rank_1_dir}", tmp_path / "logs")
+    return out, proc, ranks
+
+
+def test_resume_on_a_rank_that_does_not_see_the_run_is_refused_by_that_rank(entry_run, tiny_model_dir, tmp_path):
+    elsewhere = tmp_path / "node-local"
+    out, proc, ranks = resume_with_rank_1_in(elsewhere, entry_run, tiny_model_dir, tmp_path)
     assert proc.returncode != 0 and "opsd.py" not in ranks[0] and "Traceback" not in ranks[0] + ranks[1]
     assert said(ranks[1], f"opsd.py: error: rank 1: --resume: {elsewhere} holds no run to resume (no args.json); "
                           "across nodes --output-dir must be one directory that every rank sees.") == 1, ranks[1]
@@ -411,16 +420,9 @@ def test_ranks_that_resume_from_different_checkpoints_are_stopped_after_the_rest
                                                                                       tmp_path):
     """Rank 1 reads a stale copy of the run (its newest checkpoint is 2, rank 0's is 4): the flags and fingerprint
     agree, so only the check of the LoRA after the restore can see it."""
-    finished, _ = entry_run
-    out, stale, logs = tmp_path / "run", tmp_path / "stale", tmp_path / "logs"
-    shutil.copytree(finished, out, ignore=shutil.ignore_patterns("final"))
-    shutil.copytree(finished, stale, ignore=shutil.ignore_patterns("final", "checkpoint-4"))
-    cmd = opsd_command(tiny_model_dir, out, "--clip", "entry", "--max-steps", "5", "--save-every", "2", "--resume")
-    opsd_at = cmd.index(str(ROOT / "opsd.py"))
-    cmd[opsd_at:opsd_at + 1] = ["--log-dir", str(logs), "--redirects", "3", str(ROOT / "tests" / "fault_launch.py")]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=ROOT,
-                          env={**os.environ, "FAULT": f"output-dir:{stale}"})
-    ranks = {int(p.parent.name): p.read_text() for p in logs.glob("*/attempt_0/*/stderr.log")}
+    stale = tmp_path / "stale"
+    shutil.copytree(entry_run[0], stale, ignore=shutil.ignore_patterns("final", "checkpoint-4"))
+    out, proc, ranks = resume_with_rank_1_in(stale, entry_run, tiny_model_dir, tmp_path)
     assert proc.returncode != 0 and "Traceback" not in ranks[0] + ranks[1]
     assert said(ranks[0], "opsd.py: error: the ranks hold different LoRA weights") == 1, ranks[0][-2000:]
     assert not (out / "final").exists() and not (out / "checkpoint-6").exists()
