@@ -219,6 +219,8 @@ ARMS["grpo"] = ("grpo", None, None, 0)
 LR_GRID = miniature.LR_GRID  # 2e-3, 5e-3, 1.25e-2, extended by the rule (x2.5, at most twice beyond an edge)
 # each family's lr chosen on dev by the rule (selection.json here); None until the selection has run
 CHOSEN_LR = {"entry": 2e-3, "token": 2e-3, "none": 2e-3, "grpo": 8e-4}
+# Part 5: each tau's lr for token-skip1, chosen on dev by the same rule (cross/selection/); None until it has run
+CROSS_LR = {"token-skip1": None, "token@0.2-skip1": None}
 EVAL_N, EVAL_SEED = 2, 100  # held-out avg@2; a training seed s is scored with eval seed EVAL_SEED + s
 DEV_SEED = 42  # the selection's dev scoring (eval.py's default seed)
 FLAGS = ["--device", "cpu", "--dtype", "float32", "--lora-r", str(miniature.LORA_R), "--lora-alpha",
@@ -228,14 +230,25 @@ FLAGS = ["--device", "cpu", "--dtype", "float32", "--lora-r", str(miniature.LORA
          "--warmup-steps", str(WARMUP), "--context-column", "solution", *miniature.STUDENT_FLAGS]
 
 
+NUMBER = r"[0-9]*\.?[0-9]+(?:e-?[0-9]+)?"
+ARM_NAME = re.compile(rf"(entry|token|none)(?:@({NUMBER}))?(?:-skip([0-9]+))?(?:-lr({NUMBER}))?")
+
+
 def arm_settings(arm):
-    """(kind, clip, tau, skip) of an arm's name: grpo, or CLIP[@TAU][-skipN] (tau 0.05 and no skip unless named)."""
+    """(kind, clip, tau, skip) of an arm's name: grpo, or CLIP[@TAU][-skipN][-lrLR] (tau 0.05, no skip and the
+    clip's chosen lr unless named)."""
     if arm == "grpo":
         return ARMS[arm]
-    m = re.fullmatch(r"(entry|token|none)(?:@([0-9]*\.?[0-9]+(?:e-?[0-9]+)?))?(?:-skip([0-9]+))?", arm)
+    m = ARM_NAME.fullmatch(arm)
     if not m:
         raise ValueError(f"{arm!r} names no arm")
     return "opsd", m[1], float(m[2]) if m[2] else TAU, int(m[3] or 0)
+
+
+def named_lr(arm):
+    """The lr an arm's name sets (-lrLR, Part 5's cross), or None."""
+    m = ARM_NAME.fullmatch(arm)
+    return float(m[4]) if m and m[4] else None
 
 
 def family(arm):
@@ -353,7 +366,8 @@ def select(out, arms, lrs, model_dir, files, dev):
             seconds = train(model_dir, files["train"], arm, 1, lr, run)
             points = score_curve(scorer(), dev, run, selection["base"], DEV_SEED, "dev")
             # choose_lrs reads [step, tokens, seconds, accuracy]: the accuracy at index 3
-            selection["runs"][name] = {"arm": arm, "family": family(arm), "lr": lr, "seed": 1, "seconds": seconds,
+            # each arm its own family: Part 2's arms are their clips' names; Part 5's (a skip, a tau) choose apart
+            selection["runs"][name] = {"arm": arm, "family": arm, "lr": lr, "seed": 1, "seconds": seconds,
                                        "curve": [[p[0], p[1], None, p[2], *p[3:]] for p in points],
                                        "kl": kl_curve(run)}
             path.write_text(json.dumps(selection, indent=1) + "\n")
@@ -372,7 +386,7 @@ def format_selection(selection):
 
 
 def lr_of(arm):
-    lr = CHOSEN_LR[family(arm)]
+    lr = named_lr(arm) or CHOSEN_LR[family(arm)]
     if lr is None:
         raise SystemExit(f"no learning rate chosen on dev for {family(arm)} yet: run --select first and set CHOSEN_LR.")
     return lr
@@ -705,7 +719,8 @@ def main(argv=None):
     invocations = out / "invocations.json"
     seen = json.loads(invocations.read_text()) if invocations.is_file() else []
     invocations.write_text(json.dumps(seen + [{**miniature.this_machine(), "argv": sys.argv[1:] if argv is None
-                                               else list(argv), "chosen_lr": CHOSEN_LR}], indent=1) + "\n")
+                                               else list(argv), "chosen_lr": CHOSEN_LR,
+                                               "cross_lr": CROSS_LR}], indent=1) + "\n")
     if args.select:
         return select(out, args.arms, args.lrs, model_dir, files, dev)
     if not args.analyze:
