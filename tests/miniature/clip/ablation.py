@@ -219,8 +219,8 @@ ARMS["grpo"] = ("grpo", None, None, 0)
 LR_GRID = miniature.LR_GRID  # 2e-3, 5e-3, 1.25e-2, extended by the rule (x2.5, at most twice beyond an edge)
 # each family's lr chosen on dev by the rule (selection.json here); None until the selection has run
 CHOSEN_LR = {"entry": 2e-3, "token": 2e-3, "none": 2e-3, "grpo": 8e-4}
-# Part 5: each tau's lr for token-skip1, chosen on dev by the same rule (cross/selection/); None until it has run
-CROSS_LR = {"token-skip1": None, "token@0.2-skip1": None}
+# Part 5: each tau's lr for token-skip1, chosen on dev by the same rule (cross/selection/, 2026-12-04)
+CROSS_LR = {"token-skip1": 2e-3, "token@0.2-skip1": 5e-3}
 EVAL_N, EVAL_SEED = 2, 100  # held-out avg@2; a training seed s is scored with eval seed EVAL_SEED + s
 DEV_SEED = 42  # the selection's dev scoring (eval.py's default seed)
 FLAGS = ["--device", "cpu", "--dtype", "float32", "--lora-r", str(miniature.LORA_R), "--lora-alpha",
@@ -595,6 +595,100 @@ def format_results(table):
     return "\n".join(lines)
 
 
+# -----------------------------------------------------------------------------
+# Part 5: tau crossed with the learning rate. Every cell (tau, lr) of token-skip1 from the records that hold it
+# (Part 2's results/ at 2e-3, cross/heldout/ at the others; on the drift model drift/ and cross/drift/)
+
+CROSS = HERE / "cross"
+CROSS_ARMS = ("token-skip1", "token@0.2-skip1")  # tau 0.05 and tau 0.2, both leaving the first position out
+
+
+def cross_cells(*results):
+    """{(arm without its -lr, lr): {seed: run}} of the cross's two arms, over results.json files."""
+    cells = {}
+    for res in results:
+        for r in res["runs"].values():
+            arm = re.sub(rf"-lr{NUMBER}$", "", r["arm"])
+            if arm in CROSS_ARMS:
+                cells.setdefault((arm, r["lr"]), {})[r["seed"]] = r
+    return cells
+
+
+def compare_taus(cells, lrs):
+    """Each cell's scores over seeds; the primary score by Part 1's rule over the cells; D = tau 0.2 - tau 0.05, each
+    at its lr in `lrs`, paired by seed on every score and at every checkpoint."""
+    scored = {}
+    for (arm, lr), runs in sorted(cells.items()):
+        seeds = sorted(runs)
+        cell = {"arm": arm, "lr": lr, "seeds": seeds, "heldout_avg": [runs[s]["heldout_avg"] for s in seeds],
+                "heldout_area": [area(runs[s]["curve"]) for s in seeds],
+                "area_20_100": [area(runs[s]["curve"][1:]) for s in seeds],  # without step 10, the warmup's end
+                "curve": [[runs[s]["curve"][j][2] for s in seeds] for j in range(len(runs[seeds[0]]["curve"]))]}
+        for key in ("heldout_avg", "heldout_area", "area_20_100"):
+            cell[f"{key}_mean"], cell[f"{key}_ci95"] = miniature.mean_interval(cell[key])
+        scored[f"{arm} lr {lr:g}"] = cell
+    primary = "heldout_avg" if max(c["heldout_avg_mean"] for c in scored.values()) < CEILING else "heldout_area"
+    low, high = (scored.get(f"{arm} lr {lrs[arm]:g}") for arm in CROSS_ARMS)
+    if not (low and high):
+        return {"cells": scored, "lrs": lrs, "primary": primary, "D": None}
+    D = {key: miniature.paired(high[key], low[key], high["seeds"], low["seeds"])
+         for key in ("heldout_avg", "heldout_area", "area_20_100")}
+    steps = [EVERY * j for j in range(len(low["curve"]))]
+    D["per_checkpoint"] = {str(step): miniature.paired(high["curve"][j], low["curve"][j], high["seeds"], low["seeds"])
+                           for j, step in enumerate(steps) if step}
+    return {"cells": scored, "lrs": lrs, "primary": primary, "D": D}
+
+
+def cross_verdict(held_out, drift):
+    """The README's rule, fixed before the runs (Part 5): tau 0.2 stays only if D's interval excludes 0 in its
+    favour and on the drift model tau 0.2 is not worse by an interval excluding 0; else tau 0.05."""
+    if not (held_out["D"] and drift and drift["D"]):
+        return "pending: not every cell has run"
+    d, dd = held_out["D"][held_out["primary"]], drift["D"][drift["primary"]]
+    favours, against = d["mean"] - d["ci95"] > 0, d["mean"] + d["ci95"] < 0
+    drift_worse = dd["mean"] + dd["ci95"] < 0
+    if favours and not drift_worse:
+        return "tau 0.2 stays recommended"
+    if favours:
+        return "tau 0.05: tau 0.2 leads on held-out but is worse on the drift model"
+    return "tau 0.05: better here" if against else "tau 0.05: the two tie here"
+
+
+def cross(dest=CROSS, lrs=None):
+    """Part 5's analysis from the committed records: cross.json and cross.txt in `dest`."""
+    read = lambda path: json.loads(path.read_text()) if path.is_file() else {"runs": {}}  # noqa: E731
+    lrs = lrs or CROSS_LR
+    held_out = compare_taus(cross_cells(read(HERE / "results" / "results.json"), read(dest / "heldout" /
+                                                                                        "results.json")), lrs)
+    drift = compare_taus(cross_cells(read(HERE / "drift" / "results.json"), read(dest / "drift" / "results.json")),
+                         lrs)
+    result = {"chosen_lr": lrs, "held_out": held_out, "drift": drift, "verdict": cross_verdict(held_out, drift)}
+    (dest / "cross.json").write_text(json.dumps(result, indent=1) + "\n")
+    (dest / "cross.txt").write_text(format_cross(result) + "\n")
+    return result
+
+
+def format_cross(result):
+    pct = lambda m, h: f"{100 * m:6.1f} +- {100 * h:.1f}" if h is not None else f"{100 * m:6.1f}"  # noqa: E731
+    lines = [f"Part 5: token-skip1, tau x lr; chosen on dev: " + ", ".join(f"{a} {lr:g}" if lr else f"{a} -"
+                                                                           for a, lr in result["chosen_lr"].items())]
+    for name in ("held_out", "drift"):
+        part = result[name]
+        lines.append(f"{name} (primary score: {part['primary']}); seed means, 95% t-interval, in points")
+        lines.append(f"{'cell':<28}{'seeds':>6}{'final':>16}{'area 10-100':>16}{'area 20-100':>16}")
+        for key, c in part["cells"].items():
+            lines.append(f"{key:<28}{len(c['seeds']):>6}{pct(c['heldout_avg_mean'], c['heldout_avg_ci95']):>16}"
+                         f"{pct(c['heldout_area_mean'], c['heldout_area_ci95']):>16}"
+                         f"{pct(c['area_20_100_mean'], c['area_20_100_ci95']):>16}")
+        if part["D"]:
+            lines.append("D = tau 0.2 - tau 0.05 at their chosen lrs, paired: " + "; ".join(
+                f"{k} {pct(d['mean'], d['ci95']).strip()}" for k, d in part["D"].items() if k != "per_checkpoint"))
+            lines.append("  by checkpoint: " + "; ".join(f"{s}: {100 * d['mean']:+.1f}"
+                                                          for s, d in part["D"]["per_checkpoint"].items()))
+    lines.append(f"verdict by the rule: {result['verdict']}")
+    return "\n".join(lines)
+
+
 def plot(results, table, path):
     """Held-out accuracy by step (seed means), kl_mean and the clipped teacher mass by step, per arm."""
     import matplotlib
@@ -671,10 +765,11 @@ def parse_args(argv=None):
                                                 "(default: every arm; --select: entry,token,none,grpo)")
     p.add_argument("--seeds", default=None, help="comma-separated (default: 1-5, grpo 1-3)")
     p.add_argument("--analyze", action="store_true", help="only the tables and figure of --output-dir's results")
+    p.add_argument("--cross", action="store_true", help="Part 5's analysis of the committed records (cross/)")
     p.add_argument("--record", metavar="DIR", help="copy --output-dir's records into DIR (the committed folder), stop")
     p.add_argument("--grpo-job", default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
-    if args.grpo_job or args.profile or args.temperatures:
+    if args.grpo_job or args.profile or args.temperatures or args.cross:
         return args
     if not args.output_dir:
         p.error("--output-dir is required.")
@@ -705,6 +800,8 @@ def main(argv=None):
         return write_profile(Path(args.model), Path(args.reference))
     if args.temperatures:
         return print(json.dumps(temperature_sweep(), indent=1))
+    if args.cross:
+        return print(format_cross(cross()))
     out = Path(args.output_dir)
     if args.record:
         return record(out, Path(args.record))
