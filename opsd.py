@@ -645,6 +645,7 @@ def main(argv=None):
     is_main, per_rank, out_dir = rank == 0, args.prompts_per_step // world_size, Path(args.output_dir)
     with stopping_together(args, argv) as progress:
         # ---- every check a user can fail, before a model or vLLM loads, each rank its own, then agreed on
+        logging.getLogger("huggingface_hub.utils._http").setLevel(logging.ERROR)  # offline: a dozen retry warnings
         with agreed():
             resume_from, saved_identity = check_output_dir(args, rank)
             load_config(args)
@@ -713,9 +714,11 @@ def main(argv=None):
                       "tokens_per_second": sums["tokens"] / (t3 - t0)}
             if is_main:
                 every = args.log_rollouts_every
-                due = every and ((step + 1) % every == 0 or step + 1 == args.max_steps)
-                rollouts = [{"step": step + 1, "prompt_index": indices[j], "tokens": len(c),
-                             "completion": tokenizer.decode(c)} for j, c in zip(mine, completions)] if due else []
+                due = every and (step == 0 or (step + 1) % every == 0 or step + 1 == args.max_steps)
+                kls = stats.kl.split([len(c) for c in completions]) if due else []  # each token's KL(p_T || p_S)
+                rollouts = [{"step": step + 1, "prompt_index": indices[j], "tokens": len(c), "completion":
+                             tokenizer.decode(c), "token_ids": c, "kl": kl.tolist(), "skipped_by_loss":
+                             min(args.skip_first_tokens, len(c))} for j, c, kl in zip(mine, completions, kls)]
                 log_step(args, record, rollouts, tracker)  # rollouts: rank 0's share, when due
 
             # ---- checkpoint
@@ -853,7 +856,11 @@ def load_model(args, device):
     """The model with LoRA on all seven projections, after the guards."""
     from transformers import AutoModelForCausalLM
     model = AutoModelForCausalLM.from_pretrained(args.model, dtype=getattr(torch, args.dtype)).to(device)
-    disable_dropout(model)
+    for m in model.modules():  # no dropout, as in the recipe (train(), on for gradient checkpointing, would use it)
+        if isinstance(m, nn.Dropout):
+            m.p = 0.0
+        if isinstance(getattr(m, "attention_dropout", None), float):
+            m.attention_dropout = 0.0
     refused = check_logits_path(model)
     if refused:
         fail(f"--model {args.model} ({model.config.model_type}) is not supported: {refused}.")
@@ -865,14 +872,6 @@ def load_model(args, device):
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model.train()  # for gradient checkpointing; dropout is off
     return model, lora_params
-
-def disable_dropout(model):
-    """The recipe trains without dropout; train() (needed for gradient checkpointing) would switch it on."""
-    for m in model.modules():
-        if isinstance(m, nn.Dropout):
-            m.p = 0.0
-        if isinstance(getattr(m, "attention_dropout", None), float):
-            m.attention_dropout = 0.0
 
 ADAPTER_WEIGHTS, ADAPTER_CONFIG = "adapter_model.safetensors", "adapter_config.json"
 
@@ -895,20 +894,9 @@ def save_adapter(model, out_dir, base_model_name_or_path):
 
 @torch.no_grad()
 def load_adapter(model, adapter_dir):
-    """Copy a saved adapter into a model that already has LoRA layers of the same shape."""
-    adapter_dir = Path(adapter_dir)
-    if not (adapter_dir / ADAPTER_WEIGHTS).is_file():
-        raise FileNotFoundError(f"No {ADAPTER_WEIGHTS} in {adapter_dir}: pass a directory written by opsd.py.")
-    config = json.loads((adapter_dir / ADAPTER_CONFIG).read_text())
-    tensors = load_file(str(adapter_dir / ADAPTER_WEIGHTS))
-    first = next(iter(lora_layers(model).values()))
-    if (config["r"], config["lora_alpha"]) != (first.r, first.alpha):
-        raise ValueError(f"Adapter in {adapter_dir} has r={config['r']}, alpha={config['lora_alpha']} but the "
-                         f"model's LoRA has r={first.r}, alpha={first.alpha}: use the same --lora-r and --lora-alpha.")
-    params = adapter_parameters(model)
-    if set(tensors) != set(params):
-        raise ValueError(f"Adapter in {adapter_dir} targets other modules than this model's LoRA layers.")
-    for name, p in params.items():
+    """Copy a checkpoint's adapter into the model's LoRA (--resume has checked its flags and that its files load)."""
+    tensors = load_file(str(Path(adapter_dir) / ADAPTER_WEIGHTS))
+    for name, p in adapter_parameters(model).items():
         p.copy_(tensors[name])
 
 def restore(checkpoint, model, lora_params, optimizer):
@@ -957,6 +945,7 @@ def open_run(args, start_step, run_identity):
         for path in run_files(out_dir):
             shutil.rmtree(path) if path.is_dir() else path.unlink()
     record = {**vars(args), "fingerprint": run_identity}  # the flags, and what a resume must find unchanged
+    out_dir.mkdir(parents=True, exist_ok=True)  # the first thing a run writes: every check has passed
     write_atomically(out_dir / "args.json", json.dumps(record, indent=2) + "\n")
     for path in (out_dir / "metrics.jsonl", out_dir / "rollouts.jsonl"):
         if path.exists():
@@ -1024,9 +1013,8 @@ def latest_checkpoint(out_dir):
 def check_output_dir(args, rank):
     """Before anything loads: (checkpoint to resume, its recorded fingerprint), (None, None) if new, or why not."""
     out_dir = Path(args.output_dir)
-    try:  # every rank probes with its own file
-        out_dir.mkdir(parents=True, exist_ok=True)
-        probe = out_dir / f".write-test-{rank}"
+    try:  # every rank probes with its own file, in it or the nearest directory above that exists: nothing is made
+        probe = next(p for p in (out_dir, *out_dir.parents) if p.exists()) / f".write-test-{rank}"  # before open_run
         probe.write_text("")
         probe.unlink()
     except OSError as e:
@@ -1122,7 +1110,7 @@ def local_path(value):
 
 def load_config(args):
     """The config, before anything big loads: fields that change logits refused; prompt + answer must fit."""
-    from transformers import AutoConfig
+    from transformers import AutoConfig, AutoModelForCausalLM
     if local_path(args.model) and not Path(args.model).expanduser().is_dir():
         fail(f"--model {args.model}: no such directory.")
     try:
@@ -1133,6 +1121,15 @@ def load_config(args):
         if getattr(config, field, None) not in (None, 1):
             fail(f"--model {args.model} ({config.model_type}) is not supported: its config sets {field} = "
                  f"{getattr(config, field)}, but the loss builds logits as final_hidden @ lm_head.weight^T.")
+    if args.device == "auto" and not torch.cuda.is_available():  # never a GPU-sized run on the CPU by default
+        with torch.device("meta"):  # the parameter count, no weights
+            size = AutoModelForCausalLM.from_config(config).num_parameters()
+        if size > 1e8:  # parameters (the test models: 0.8M)
+            cuda = f"built for CUDA {torch.version.cuda}, finds no GPU" if torch.version.cuda else "a CPU-only build"
+            fail(f"--device auto: no CUDA device is visible (CUDA_VISIBLE_DEVICES="
+                 f"{os.environ.get('CUDA_VISIBLE_DEVICES', 'unset')}; torch {torch.__version__}: {cuda}), and --model "
+                 f"{args.model} has {size / 1e9:.2f}B parameters, more than auto trains on a CPU (0.1B): "
+                 "make a GPU visible (nvidia-smi lists what the driver offers), or pass --device cpu to use the CPU.")
     context = getattr(config, "max_position_embeddings", None)
     if context and args.max_prompt_length + args.max_new_tokens > context:
         fail(f"--max-prompt-length {args.max_prompt_length} + --max-new-tokens {args.max_new_tokens} exceeds the "
@@ -1232,9 +1229,9 @@ def stopping_together(args, argv):
         if first is None:  # every rank signalled (the user's Ctrl-C, a scheduler's stop), or left with them
             command = [a for a in (sys.argv[1:] if argv is None else argv) if a not in ("--overwrite", "--resume")]
             launcher = f"torchrun --nproc_per_node {WORLD_SIZE}" if WORLD_SIZE > 1 else "python"
-            print0(f"opsd.py: interrupted {where}; " + (f"the last checkpoint is {last}; continue with: {launcher} "
-                   f"opsd.py {shlex.join(command)} --resume" if last else "no checkpoint yet, so nothing to resume."),
-                   file=sys.stderr)
+            resume = f"continue with: {launcher} opsd.py {shlex.join(command)} --resume"
+            print0(error_file(f"opsd.py: interrupted {where}; " + (f"the last checkpoint is {last}; {resume}" if last
+                   else "no checkpoint yet, so nothing to resume.")), file=sys.stderr)
         else:
             why = "stopped first (its error is in its log)" if words[first] else "ended without a word (killed?)"
             print(error_file(f"opsd.py: rank {RANK} stopped {where}: rank {first} {why}; the last checkpoint is "

@@ -4,11 +4,13 @@ and under torchrun the sentence is said once and is the cause torchrun's own rep
 sentence is written here by hand."""
 
 import json
+import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 import opsd
 
@@ -99,3 +101,38 @@ def test_one_sentence_once_under_torchrun_without_a_traceback_of_ours(tiny_model
     # the launcher's report, which follows, names our sentence as the root cause instead of "<N/A>"
     root_cause = proc.stderr.split("Root Cause (first observed failure):", 1)[1]
     assert f"traceback : {sentence}" in root_cause and "<N/A>" not in proc.stderr
+
+
+def test_auto_never_trains_a_gpu_sized_model_on_the_cpu_and_leaves_no_directory(tmp_path, capsys, monkeypatch):
+    big = tmp_path / "Qwen3-1.7B"  # its config alone: the size is read from it, no weights exist or load
+    big.mkdir()
+    shutil.copy(ROOT / "tests" / "gpu_check" / "configs" / "Qwen3-1.7B.json", big / "config.json")
+    monkeypatch.setattr(opsd.torch.cuda, "is_available", lambda: False)  # a node whose GPU is not visible
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+    out = tmp_path / "runs" / "opsd"
+    argv = ["--model", str(big), "--dataset", str(DATA), "--output-dir", str(out), "--max-prompt-length", "256",
+            "--max-new-tokens", "48"]
+    err = error_of(argv, capsys)
+    # by hand from the config: embeddings 151936 x 2048 (tied), 28 layers of 50,336,000, the last norm: 1,720,574,976
+    build = f"built for CUDA {torch.version.cuda}, finds no GPU" if torch.version.cuda else "a CPU-only build"
+    assert err == (f"opsd.py: error: --device auto: no CUDA device is visible (CUDA_VISIBLE_DEVICES=; torch "
+                   f"{torch.__version__}: {build}), and --model {big} has 1.72B parameters, more than auto trains on "
+                   "a CPU (0.1B): make a GPU visible (nvidia-smi lists what the driver offers), or pass --device cpu to "
+                   "use the CPU.\n")
+    assert not (tmp_path / "runs").exists()  # refused before anything is written: no empty run directory
+    opsd.load_config(opsd.parse_args(argv + ["--device", "cpu"]))  # asked for on purpose, the CPU is allowed
+    small = opsd.parse_args(["--model", str(ROOT / "tests" / "miniature" / "model"), *argv[2:]])
+    opsd.load_config(small)  # the miniature's 0.8M parameters: auto still uses the CPU
+
+
+def test_an_unreachable_hub_is_one_sentence_not_a_dozen_retries(base, tmp_path, capfd, monkeypatch):
+    import huggingface_hub.utils._http as hub_http
+    waits = []
+    monkeypatch.setattr(hub_http.time, "sleep", waits.append)  # the client's own retries, without their 30 s of waiting
+    with pytest.raises(SystemExit):
+        opsd.main(base + ["--model", "nobody/no-such-model"])
+    err = capfd.readouterr().err
+    assert waits, "the hub client did not retry: nothing here tests that its retries go unprinted"
+    assert err.startswith("opsd.py: error: --model nobody/no-such-model: cannot load its config"), err
+    assert err.count("\n") == 1, err  # the sentence alone: no "Retrying in 1s [Retry 1/5]" lines before it
+    assert not (tmp_path / "out").exists()

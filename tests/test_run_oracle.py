@@ -6,7 +6,8 @@ opsd.backward_step to write down what each rank trained on, then calls it unchan
 checkpoints this file recomputes every step in float64 with its own code (each row alone through the merged
 weights, the divergence from its formulas, no opsd loss function): the loss, kl_mean, kl_frac_above_tau,
 kl_first_token, the clipped teacher mass, the gradient norm, and the adapter after the last step (its own AdamW).
-It also checks that each rank trained on the prompts step_indices names for it, none shared."""
+It also checks that each rank trained on the prompts step_indices names for it, none shared, and that the answers
+rollouts.jsonl logs (rank 0's, at steps 1 and 3 here) carry each token's KL as the oracle computes it."""
 
 import json
 import math
@@ -125,7 +126,7 @@ def step_oracle(model, student, teacher, ranks, step, flags):
             k, kl, mass, cut = divergences(logits(model, student, sp, c, flags), t, flags)
             ks.append(k[flags["skip_first_tokens"]:])
             clipped.append(cut[flags["skip_first_tokens"]:])
-            kls.append(kl)
+            kls.append(kl.detach())
             masses.append(mass)
             firsts.append(kl[0])
     kept, kl = torch.cat(ks), torch.cat(kls)
@@ -134,7 +135,7 @@ def step_oracle(model, student, teacher, ranks, step, flags):
     return {"loss": loss.item(), "kl_mean": kl.mean().item(), "kl_frac_above_tau": (kl > flags["tau"]).double().mean()
             .item(), "kl_first_token": torch.stack(firsts).mean().item(), "kl_clipped_teacher_mass":
             torch.cat(masses).mean().item(), "kl_window_tokens": len(kl),
-            "clipped_share": torch.cat(clipped).double().mean().item()}
+            "clipped_share": torch.cat(clipped).double().mean().item(), "rows_kl": kls}  # rank 0's rows first
 
 
 def leaves(lora):
@@ -166,6 +167,7 @@ def test_every_step_of_the_run_matches_the_float64_oracle(oracle_run, tiny_model
         assert 0.1 < want["clipped_share"] < 0.9, want["clipped_share"]  # the clip cuts some positions, not all
         if flags["clip"] == "token":
             assert 0 < want["loss"] < flags["tau"]
+        check_logged_answers(out, step, got, want, ranks, flags)
     # the adapter after step 3: AdamW from checkpoint-2's moments, with the clipped step-3 gradient, written out
     state = torch.load(out / "checkpoint-2" / "trainer_state.pt", weights_only=True)["optimizer"]["state"]
     final = adapter(out / "final", names)
@@ -179,6 +181,23 @@ def test_every_step_of_the_run_matches_the_float64_oracle(oracle_run, tiny_model
         name, ab = names[i // 2], i % 2  # the step itself, element by element, to a thousandth of the learning rate
         torch.testing.assert_close(final[name][ab] - param, new - param, rtol=1e-3, atol=1e-3 * lr)
     assert max((final[n][1] - s2[n][1]).abs().max() for n in names) > 0.1 * lr  # the step moved the adapter
+
+
+def check_logged_answers(out, step, got, want, ranks, flags):
+    """rollouts.jsonl at `step`: rank 0's answers, each with its tokens, each token's KL(p_T || p_S) at the loss
+    temperature (the oracle's, row by row), and the positions the loss skipped; steps not due log nothing."""
+    logged = [r for r in map(json.loads, (out / "rollouts.jsonl").read_text().splitlines()) if r["step"] == step]
+    if step == 2:  # --log-rollouts-every 10 (the default) of 3 steps: the first step and the last
+        assert logged == []
+        return
+    mine = ranks[0][step - 1]["completions"]
+    assert [r["token_ids"] for r in logged] == mine and [r["tokens"] for r in logged] == [len(c) for c in mine]
+    for r, kl in zip(logged, want["rows_kl"]):
+        assert len(r["kl"]) == len(kl) and r["skipped_by_loss"] == min(flags["skip_first_tokens"], len(kl))
+        torch.testing.assert_close(torch.tensor(r["kl"], dtype=torch.float64), kl, rtol=2e-4, atol=1e-6)
+    # what the step's record implies for rank 0's answers: its KL sum over both ranks less rank 1's (the oracle's)
+    implied = got["kl_mean"] * got["kl_window_tokens"] - sum(kl.sum() for kl in want["rows_kl"][len(mine):]).item()
+    assert sum(map(sum, (r["kl"] for r in logged))) == pytest.approx(implied, rel=2e-4, abs=1e-6)
 
 
 def test_each_rank_trained_on_its_own_shard_of_the_step(oracle_run, tiny_model_dir):
