@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 import miniature
+import teaching
 
 ROOT = Path(__file__).resolve().parent.parent
 RECORD = miniature.QUICKSTART_RECORD
@@ -105,3 +106,57 @@ def test_the_committed_record_agrees_with_itself_and_the_readme():
     shown = [line.strip() for line in readme.splitlines() if line.strip().startswith("step ") and "| loss" in line]
     assert shown and all(line in (RECORD / "step-lines.txt").read_text() for line in shown)
     assert (RECORD / "quickstart.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+# -- where the teacher disagrees: rollouts.jsonl's per-token KL, drawn (tests/miniature/teaching.py) ----------------
+
+TEACHING = RECORD / "teaching"
+
+
+def test_a_dropped_carry_is_found_where_it_was_written():  # hand-written answers, offsets counted by hand
+    assert teaching.dropped_carries("7+5=12 5+8+1=14 4+3+1=8 \\boxed{842}") == []
+    assert teaching.dropped_carries("7+5=12 5+8=13 4+3+1=8 \\boxed{837}") == [(10, 13)]
+    assert teaching.dropped_carries("7+5=12 5+8+1=14 4+3=7 \\boxed{742}") == [(19, 21)]
+    assert teaching.dropped_carries("1+2=3 5+8=13 4+3=7 \\boxed{1 5+8=13}") == [(16, 18)]  # columns before the box
+    assert teaching.position_of(["7", "+", "5", "=", "12"], 3) == 3 and teaching.position_of(["ab", "c"], 2) == 1
+
+
+def test_a_fresh_quickstart_run_draws_where_its_teacher_disagreed(quickstart):
+    out, _ = quickstart
+    record = teaching.build_record(out / "quickstart")  # checks the logged step-1 KL against its recomputation
+    answer, trained = record["answer"], record["trained"]
+    assert "".join(answer["tokens"]).startswith(tuple("0123456789")) and answer["dropped_carry_tokens"]
+    assert answer["tokens"][answer["dropped_carry_tokens"][0]] == "="  # where "+1" was due, then the wrong sum
+    assert answer["recomputed_max_abs_difference"] < 1e-4
+    a, b = map(int, record["problem"].split("+"))
+    assert record["reference"] == f"{a}+{b}={a + b}"  # the row the log's prompt_index names
+    assert "".join(trained["tokens"]).startswith(miniature.correct_trace(a, b))  # trained: the right columns
+    assert trained["max_kl"] < 0.1 * max(answer["kl"])
+    fig = teaching.draw(record)
+    assert fig.axes[0].images[0].get_array().shape == (1, len(answer["kl"]))
+
+
+def test_the_committed_teaching_figure_draws_the_committed_log():
+    record = json.loads((TEACHING / "teaching.json").read_text())
+    logged = [json.loads(line) for line in (TEACHING / "run" / "rollouts.jsonl").read_text().splitlines()]
+    first = [r for r in logged if r["step"] == 1]
+    chosen = next(r for r in first if r["prompt_index"] == record["prompt_index"])
+    assert chosen["kl"] == record["answer"]["kl"] and chosen["token_ids"] == record["answer"]["token_ids"]
+    assert first.index(chosen) == min(i for i, r in enumerate(first) if teaching.dropped_carries(r["completion"]))
+    for step, means in record["mean_kl_by_position"].items():  # recomputed here: position j over answers that long
+        rows = [r["kl"] for r in logged if r["step"] == int(step)]
+        mine = [sum(kl[j] for kl in rows if len(kl) > j) / sum(len(kl) > j for kl in rows)
+                for j in range(max(map(len, rows)))]
+        assert means == pytest.approx(mine, rel=1e-12)
+    ours = [json.loads(line) for line in (TEACHING / "run" / "metrics.jsonl").read_text().splitlines()]
+    recorded = [json.loads(line) for line in (RECORD / "metrics.jsonl").read_text().splitlines()]
+    # the quickstart's own run again: the same answers' lengths at every step, the KL to another CPU's rounding
+    assert [r["completion_len_mean"] for r in ours] == [r["completion_len_mean"] for r in recorded]
+    assert [r["kl_mean"] for r in ours] == pytest.approx([r["kl_mean"] for r in recorded], rel=1e-4)
+    fig = teaching.draw(record)  # what the committed figure shows is the record's numbers
+    for ax, answer in zip(fig.axes[:2], (record["answer"], record["trained"])):
+        drawn = ax.images[0].get_array()[0]
+        assert list(drawn) == pytest.approx([max(v, 1e-4) for v in answer["kl"]])
+        assert [t.get_text() for t in ax.texts] == [teaching.label(t) for t in answer["tokens"]]
+    assert [list(line.get_ydata()) for line in fig.axes[2].lines] == list(record["mean_kl_by_position"].values())
+    assert (TEACHING / "teaching.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
