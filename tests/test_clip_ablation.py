@@ -366,11 +366,11 @@ def test_the_jump_positions_are_the_first_and_those_after_the_first_two_columns(
     assert profile["jump_positions"] == 3 * 64  # every step-1 rollout writes its three columns
 
 
-def check_recorded(folder, model_dir, lrs=None):
+def check_recorded(folder, model_dir):
     """A committed results folder is the scorings beside it: each run's final score is its eval.py summary, regraded
     here from the samples with a plain regex, and each arm's mean final score in the table is the mean of the
     regraded scores; its eval seed, decoding and starting model are the protocol's; its KL figures are its
-    metrics.jsonl; its lr is the one chosen on dev (`lrs`, by default CHOSEN_LR). The curves' scores at steps 10-90
+    metrics.jsonl; its lr is the one chosen on dev or its name's (`-lrLR`). The curves' scores at steps 10-90
     have no committed samples (ten times the size): they are checked for consistency only (the last point is the
     regraded final; the areas and the table recompute from the curves)."""
     import gzip
@@ -405,8 +405,7 @@ def check_recorded(folder, model_dir, lrs=None):
         assert run["shape"] == ablation.shapes(samples), key
         metrics = miniature.read_metrics(folder / "runs" / name)
         assert run["kl"] == [[m["step"], *(m.get(k) for k in ablation.KL_FIELDS)] for m in metrics], key
-        chosen = lrs[run["arm"]] if lrs else ablation.CHOSEN_LR[ablation.family(run["arm"])]
-        assert len(metrics) == ablation.STEPS and run["lr"] == chosen, key
+        assert len(metrics) == ablation.STEPS and run["lr"] == ablation.lr_of(run["arm"]), key
     table = ablation.analyze({"runs": results["runs"], "base": results["base"]}, len(answers))
     for arm, scores in regraded.items():
         assert table["stats"][arm]["mean"] == pytest.approx(sum(scores) / len(scores), abs=1e-12), arm
@@ -429,3 +428,34 @@ def test_the_committed_drift_results_are_the_scorings_beside_them():
     assert sorted(table["arms"]) == sorted(arms)
     for arm in arms:
         assert table["seeds"][arm] == [1, 2, 3], arm
+
+
+def test_the_committed_cross_is_the_scorings_beside_it():
+    """Part 5: every new cell's runs are the scorings beside them; cross.json and cross.txt recompute from the
+    committed records (Part 2's and 4's at 2e-3, cross/'s at the other lrs); D and the verdict, by hand."""
+    for folder, model_dir in (("heldout", ablation.MODEL), ("drift", ablation.DRIFT_MODEL)):
+        if (ablation.CROSS / folder / "results.json").is_file():
+            check_recorded(ablation.CROSS / folder, model_dir)
+    result = ablation.cross_result(ablation.CROSS)
+    assert json.loads(json.dumps(result)) == json.loads((ablation.CROSS / "cross.json").read_text())
+    assert (ablation.CROSS / "cross.txt").read_text() == ablation.format_cross(result) + "\n"
+    verdicts = []
+    for part, seeds in (("held_out", [1, 2, 3, 4, 5]), ("drift", [1, 2, 3])):
+        cells, primary = result[part]["cells"], result[part]["primary"]
+        low = cells[f"token-skip1 lr {ablation.CROSS_LR['token-skip1']:g}"]
+        high = cells[f"token@0.2-skip1 lr {ablation.CROSS_LR['token@0.2-skip1']:g}"]
+        assert low["seeds"] == high["seeds"] == seeds, part
+        best = max(sum(c["heldout_avg"]) / len(c["heldout_avg"]) for c in cells.values())
+        assert primary == ("heldout_area" if best >= 0.95 else "heldout_avg"), part
+        diffs = [h - lo for h, lo in zip(high[primary], low[primary])]
+        mean = sum(diffs) / len(diffs)
+        half = {5: 2.776, 3: 4.303}[len(diffs)] * math.sqrt(sum((x - mean) ** 2 for x in diffs) / (len(diffs) - 1)
+                                                             / len(diffs))
+        assert result[part]["D"][primary]["mean"] == pytest.approx(mean, abs=1e-12), part
+        assert result[part]["D"][primary]["ci95"] == pytest.approx(half, abs=1e-12), part
+        verdicts.append((mean - half > 0, mean + half < 0))
+    (favours, against), (_, drift_worse) = verdicts
+    want = ("tau 0.2 stays recommended" if favours and not drift_worse else
+            "tau 0.05: tau 0.2 leads on held-out but is worse on the drift model" if favours else
+            "tau 0.05: better here" if against else "tau 0.05: the two tie here")
+    assert result["verdict"] == want
