@@ -1,7 +1,7 @@
 """
 On-Policy Self-Distillation (OPSD) for LLM reasoning, in one file.
 
-    torchrun --nproc_per_node 4 opsd.py --clip token --tau 0.2 --skip-first-tokens 1  # Qwen3-1.7B, recipe's budget
+    torchrun --nproc_per_node 4 opsd.py --clip token --skip-first-tokens 1            # Qwen3-1.7B, recipe's budget
     python opsd.py --model DIR --dataset FILE.jsonl ...                               # one process, no torchrun
     torchrun --nproc_per_node 2 opsd.py --model tests/miniature/model ...             # on a CPU: the quickstart
 

@@ -546,7 +546,7 @@ def test_the_budget_says_in_one_sentence_when_a_run_does_not_fit(capsys):
     import budget
 
     configs = ROOT / "tests" / "gpu_check" / "configs"
-    recommended = ["--clip", "token", "--tau", "0.2", "--skip-first-tokens", "1"]
+    recommended = ["--clip", "token", "--skip-first-tokens", "1"]
     assert budget.main(["--gpu-gib", "80", "--config", str(configs / "Qwen3-1.7B.json"), "--", *recommended]) == 0
     out = capsys.readouterr().out
     assert "1.72B parameters, LoRA 69.7M (r 64)" in out and "vllm            24.00 GiB" in out  # 0.3 of 80 GiB

@@ -1,6 +1,6 @@
 """The per-GPU memory of an opsd.py run, before renting one: no weights loaded, no GPU needed.
 
-    python tests/gpu_check/budget.py --gpu-gib 80 -- --clip token --tau 0.2 --skip-first-tokens 1
+    python tests/gpu_check/budget.py --gpu-gib 80 -- --clip token --skip-first-tokens 1
     python tests/gpu_check/budget.py --gpu-gib 80 --config DIR_OR_CONFIG_JSON -- --model Qwen/Qwen3-8B ...
 
 Everything after `--` is opsd.py's own flags, read by opsd.parse_args (its defaults, its checks). The model's
