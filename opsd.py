@@ -575,8 +575,7 @@ def check_flags(args):
             fail(message)
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(
-        prog="opsd.py", formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    p = argparse.ArgumentParser(prog="opsd.py", formatter_class=argparse.ArgumentDefaultsHelpFormatter,
         description="On-Policy Self-Distillation with a hand-rolled LoRA and vLLM rollouts. The dataset needs a "
                     "problem column and a privileged-context column (see --problem-column, --context-column).")
     g = p.add_argument_group("model")
@@ -856,11 +855,7 @@ def load_model(args, device):
     """The model with LoRA on all seven projections, after the guards."""
     from transformers import AutoModelForCausalLM
     model = AutoModelForCausalLM.from_pretrained(args.model, dtype=getattr(torch, args.dtype)).to(device)
-    for m in model.modules():  # no dropout, as in the recipe (train(), on for gradient checkpointing, would use it)
-        if isinstance(m, nn.Dropout):
-            m.p = 0.0
-        if isinstance(getattr(m, "attention_dropout", None), float):
-            m.attention_dropout = 0.0
+    disable_dropout(model)
     refused = check_logits_path(model)
     if refused:
         fail(f"--model {args.model} ({model.config.model_type}) is not supported: {refused}.")
@@ -872,6 +867,14 @@ def load_model(args, device):
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model.train()  # for gradient checkpointing; dropout is off
     return model, lora_params
+
+def disable_dropout(model):
+    """No dropout, as in the recipe: train() (on for gradient checkpointing) would switch it on."""
+    for m in model.modules():
+        if isinstance(m, nn.Dropout):
+            m.p = 0.0
+        elif isinstance(getattr(m, "attention_dropout", None), float):  # attention's own dropout probability
+            m.attention_dropout = 0.0
 
 ADAPTER_WEIGHTS, ADAPTER_CONFIG = "adapter_model.safetensors", "adapter_config.json"
 
