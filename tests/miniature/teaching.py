@@ -73,6 +73,10 @@ def mean_by_position(rows):
 
 def build_record(run):
     run = Path(run)
+    needed = [run / "args.json", run / "rollouts.jsonl", run / "final" / opsd.ADAPTER_WEIGHTS]
+    if not all(path.is_file() for path in needed):
+        raise SystemExit(f"--run {run}: needs {', '.join(str(p.relative_to(run)) for p in needed)}, as a finished "
+                         "opsd.py run leaves them (with --log-rollouts-every above 0).")
     args = Namespace(**{k: v for k, v in json.loads((run / "args.json").read_text()).items() if k != "fingerprint"})
     logged = [json.loads(line) for line in (run / "rollouts.jsonl").read_text().splitlines()]
     if not logged or "kl" not in logged[0]:
