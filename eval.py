@@ -10,23 +10,28 @@ import argparse
 import hashlib
 import json
 import os
+import sys
 import threading
 from collections import Counter, defaultdict
-from functools import partial
 from pathlib import Path
 
 import math_verify
 
-import opsd  # what both scripts share: the prompt, the row reader, the model fingerprint, refusals, CPU settings
+import opsd  # what both scripts share: the prompt, the row reader, the model fingerprint, CPU settings
 from opsd import AT_LEAST_1, NON_NEGATIVE, SHARE, model_dir, model_fingerprint
 
-fail = partial(opsd.fail, prog="eval.py")  # one sentence, "eval.py: error: ...", exit code 2
 HUB_IDS = {"aime24": "HuggingFaceH4/aime_2024", "aime25": "yentinglin/aime_2025", "hmmt25": "MathArena/hmmt_feb_2025"}
 GRADING_TIMEOUT_S = 5
 # What decides what a sample is, settings and contents behind the paths: a restart must not mix samples of others.
 SAMPLING_KEYS = ("model", "adapter", "thinking", "temperature", "top_p", "max_new_tokens", "seed", "dtype")
 CONTENT_KEYS = {"model_fingerprint": "model weights", "adapter_sha256": "adapter weights"}
 VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # the max_lora_rank values vLLM 0.32 takes
+
+def fail(message):
+    """One sentence, "eval.py: error: ...", exit status 2."""
+    print(f"eval.py: error: {message}", file=sys.stderr, flush=True)
+    raise SystemExit(2)
+
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(prog="eval.py", description=__doc__.split("\n\n")[0].strip(),
@@ -215,7 +220,13 @@ def format_table(summary, n):
 # Run: check what a user can get wrong, read the problems, draw what samples.jsonl lacks, summarise the file.
 
 def main(argv=None):
-    args = parse_args(argv)
+    try:
+        return evaluate(parse_args(argv))
+    except opsd.Refusal as e:  # a refusal of the pieces shared with opsd.py (reading a data file)
+        fail(str(e))
+
+
+def evaluate(args):
     sources = benchmark_sources(args.benchmarks, args.data)
     if opsd.local_path(args.model) and not Path(args.model).expanduser().is_dir():  # opsd.py's rule, its sentence
         fail(f"--model {args.model}: no such directory.")
@@ -285,11 +296,11 @@ def load_problems(name, source, problem_column, answer_column):
     """[{problem, answer, hash}], the answer as text; no rows, a missing column or a missing answer is refused."""
     if not Path(source).is_file():
         use_cache_if_hub_silent()
-    rows = opsd.read_table(source, "train", source, prog="eval.py", offline="a local copy with --data NAME=PATH")
+    rows = opsd.read_table(source, "train", source)
     if not rows:
         fail(f"{name}: {source} holds no problems.")
-    opsd.check_columns(rows, source, "--problem-column", (str, int, float), problem_column, prog="eval.py")
-    opsd.check_columns(rows, source, "--answer-column", (str, int, float), answer_column, prog="eval.py")
+    opsd.check_columns(rows, source, "--problem-column", (str, int, float), problem_column)
+    opsd.check_columns(rows, source, "--answer-column", (str, int, float), answer_column)
     problems = []
     for row in rows:
         problem, answer = str(row[problem_column]), str(row[answer_column])

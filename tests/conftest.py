@@ -41,3 +41,33 @@ def said(stderr, text):
     """How many of stderr's lines are ours and hold `text`: under torchrun the launcher's report repeats our sentence
     indented ("traceback : opsd.py: error: ..."), and that copy is not one the run said."""
     return sum(text in line for line in stderr.splitlines() if line.startswith("opsd.py: "))
+
+
+def free_port():
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def launch_two_nodes(script_and_flags, logs, env=None):
+    """Two torchrun agents on this machine acting as two nodes of one rank each (--nnodes 2), started together:
+    [node 0's Popen, node 1's]; each rank's stderr goes to logs/node<k>/ (rank_stderr reads it). One thread a rank,
+    as torchrun sets for several ranks of one node (not for one): the same kernels, so the same float32 sums."""
+    import subprocess
+    port = free_port()
+    procs = []
+    for node in (0, 1):
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc_per_node", "1",
+               "--node_rank", str(node), "--master_addr", "127.0.0.1", "--master_port", str(port),
+               "--log-dir", str(Path(logs) / f"node{node}"), "--redirects", "3", *script_and_flags]
+        procs.append(subprocess.Popen(cmd, cwd=TESTS.parent, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                      text=True, env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})},
+                                      start_new_session=True))
+    return procs
+
+
+def rank_stderr(logs, node):
+    """What the rank of node `node` of a launch_two_nodes run wrote to stderr ('' before it wrote anything)."""
+    found = list((Path(logs) / f"node{node}").glob("*/attempt_0/*/stderr.log"))
+    return found[0].read_text() if found else ""

@@ -1,10 +1,11 @@
 """opsd.py with one fault on rank 1 alone, for tests/test_ranks.py and tests/test_train.py (not collected by pytest):
 
-    FAULT=oom|kill|data:PATH|output-dir:PATH torchrun --nproc_per_node 2 tests/fault_launch.py OPSD_FLAGS...
+    FAULT=oom|bug|kill|hang|data:PATH|output-dir:PATH torchrun --nproc_per_node 2 tests/fault_launch.py OPSD_FLAGS...
 
 data:PATH and output-dir:PATH give rank 1 another --dataset or --output-dir (a file that is not there, a corrupt one,
-a directory the other rank does not see); oom raises torch.OutOfMemoryError in rank 1's third step, kill sends
-rank 1 SIGKILL there. Rank 1 prints "fault at <unix time>" to stderr just before an oom or kill."""
+a directory the other rank does not see); oom raises torch.OutOfMemoryError in rank 1's third step, bug a RuntimeError, kill sends
+rank 1 SIGKILL there, hang SIGSTOP (a rank that neither answers nor ends). Rank 1 prints "fault at <unix time> in
+<pid>" to stderr just before its fault."""
 
 import os
 import signal
@@ -28,10 +29,12 @@ if os.environ["RANK"] == "1":
         def faulty_step(*args, **kwargs):
             calls.append(None)
             if len(calls) == 3:
-                print(f"fault at {time.time()}", file=sys.stderr, flush=True)
+                print(f"fault at {time.time()} in {os.getpid()}", file=sys.stderr, flush=True)
                 if kind == "oom":
                     raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB (a test's fault)")
-                os.kill(os.getpid(), signal.SIGKILL)
+                if kind == "bug":
+                    raise RuntimeError("a test's bug")
+                os.kill(os.getpid(), signal.SIGSTOP if kind == "hang" else signal.SIGKILL)
             return step(*args, **kwargs)
         opsd.backward_step = faulty_step
 opsd.main()

@@ -148,7 +148,7 @@ def test_the_step1_profile_recomputes_two_ways(drift):
         kl64.append(entries.sum(-1))
         clipped64.append((log_t.exp() * (entries > 0.05)).sum(-1))
         top64.append(log_t.exp().max(-1).values)
-        stats = opsd.divergence_stats(s, t, torch.tensor(r["completion_ids"]), temperature=1.1, tau=0.05)
+        stats = opsd.divergence_stats(s, *opsd.log_probs(s, t, 1.1), torch.tensor(r["completion_ids"]), tau=0.05)
         kl.append(stats.kl)
         clipped.append(stats.clipped_mass)
     kl64, clipped64, top64 = torch.cat(kl64), torch.cat(clipped64), torch.cat(top64)

@@ -116,13 +116,13 @@ def test_auto_never_trains_a_gpu_sized_model_on_the_cpu_and_leaves_no_directory(
     # by hand from the config: embeddings 151936 x 2048 (tied), 28 layers of 50,336,000, the last norm: 1,720,574,976
     build = f"built for CUDA {torch.version.cuda}, finds no GPU" if torch.version.cuda else "a CPU-only build"
     assert err == (f"opsd.py: error: --device auto: no CUDA device is visible (CUDA_VISIBLE_DEVICES=; torch "
-                   f"{torch.__version__}: {build}), and --model {big} has 1.72B parameters, more than auto trains on "
-                   "a CPU (0.1B): make a GPU visible (nvidia-smi lists what the driver offers), or pass --device cpu to "
-                   "use the CPU.\n")
+                   f"{torch.__version__}: {build}), and --model {big} has 1.72B parameters, too many for a CPU: make a "
+                   "GPU visible, or pass --device cpu."
+                   "\n")
     assert not (tmp_path / "runs").exists()  # refused before anything is written: no empty run directory
-    opsd.load_config(opsd.parse_args(argv + ["--device", "cpu"]))  # asked for on purpose, the CPU is allowed
+    opsd.check_model(opsd.parse_args(argv + ["--device", "cpu"]))  # asked for on purpose, the CPU is allowed
     small = opsd.parse_args(["--model", str(ROOT / "tests" / "miniature" / "model"), *argv[2:]])
-    opsd.load_config(small)  # the miniature's 0.8M parameters: auto still uses the CPU
+    opsd.check_model(small)  # the miniature's 0.8M parameters: auto still uses the CPU
 
 
 def test_an_unreachable_hub_is_one_sentence_not_a_dozen_retries(base, tmp_path, capfd, monkeypatch):

@@ -35,7 +35,7 @@ def test_without_network_the_default_benchmarks_are_refused_at_once(tmp_path, of
     assert out.returncode == 2, out.stderr
     last = out.stderr.strip().splitlines()[-1]
     assert last.startswith("eval.py: error: HuggingFaceH4/aime_2024: cannot load split 'train' from the hub (")
-    assert last.endswith("; without network, use a local copy with --data NAME=PATH.") and "Traceback" not in out.stderr
+    assert last.endswith("; without network, use a local copy.") and "Traceback" not in out.stderr
     assert seconds < 10
     assert not (tmp_path / "out").exists()  # refused before an output directory, let alone an engine
 

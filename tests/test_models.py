@@ -52,17 +52,36 @@ def test_models_whose_forward_does_more_are_refused():
     assert opsd.check_logits_path(phi) == "its lm_head has a bias"
     gpt2 = build(GPT2LMHeadModel, GPT2Config(vocab_size=512, n_embd=128, n_layer=2, n_head=2))
     assert opsd.check_logits_path(gpt2) is None  # no .model attribute, but base_model finds its transformer
-    with pytest.raises(ValueError, match=r"no linear layer named q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, "
-                                         r"down_proj; its linear layers are lm_head"):
-        opsd.add_lora(gpt2, 8, 16)  # its projections are Conv1D layers named c_attn, c_proj, c_fc
+    # its projections are Conv1D layers named c_attn, c_proj, c_fc
+    assert opsd.missing_lora_targets(gpt2) == ("it has no linear layer named q_proj, k_proj, v_proj, o_proj, "
+                                               "gate_proj, up_proj, down_proj; its linear layers are lm_head")
 
 
 def test_fused_projections_are_refused_naming_what_is_missing():
     phi3 = build(Phi3ForCausalLM, Phi3Config(**SIZE, pad_token_id=0))
-    with pytest.raises(ValueError, match=r"no linear layer named q_proj, k_proj, v_proj, gate_proj, up_proj; "
-                                         r"its linear layers are down_proj, gate_up_proj, lm_head, o_proj, qkv_proj"):
-        opsd.add_lora(phi3, 8, 16)
-    assert not any(isinstance(m, opsd.LoRALinear) for m in phi3.modules())  # nothing was wrapped half-way
+    assert opsd.missing_lora_targets(phi3) == ("it has no linear layer named q_proj, k_proj, v_proj, gate_proj, "
+                                               "up_proj; its linear layers are down_proj, gate_up_proj, lm_head, "
+                                               "o_proj, qkv_proj")
+    assert opsd.missing_lora_targets(build(LlamaForCausalLM, LlamaConfig(head_dim=64, **SIZE))) is None
+
+
+def test_a_hybrid_model_is_refused_before_its_weights_load_naming_the_layers(tmp_path, capsys):
+    """Qwen3.5's text model: three of every four decoder layers are linear attention (in_proj_qkv, out_proj ...),
+    only every fourth has q/k/v/o_proj. LoRA on it would train attention in one layer of four, silently."""
+    from transformers import Qwen3_5TextConfig
+    config = Qwen3_5TextConfig(vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=8,
+                               num_attention_heads=2, num_key_value_heads=1, head_dim=64)
+    kinds = config.layer_types  # the config's own record of each layer's attention
+    assert kinds.count("full_attention") == 2 and len(kinds) == 8
+    lacking = ", ".join(str(i) for i, kind in enumerate(kinds) if kind != "full_attention")
+    config.save_pretrained(tmp_path / "qwen3_5")  # a config and no weights: loading them would fail
+    with pytest.raises(SystemExit):
+        opsd.main(["--model", str(tmp_path / "qwen3_5"), "--dataset", str(DATA), "--device", "cpu",
+                   "--output-dir", str(tmp_path / "out")])
+    assert capsys.readouterr().err == (
+        f"opsd.py: error: --model {tmp_path / 'qwen3_5'} (qwen3_5_text): LoRA needs q_proj, k_proj, v_proj, o_proj, "
+        f"gate_proj, up_proj, down_proj in every decoder layer, but layers {lacking} lack q_proj, k_proj, v_proj, "
+        "o_proj.\n")
 
 
 def test_dropout_is_off_in_train_mode():

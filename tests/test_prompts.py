@@ -66,17 +66,17 @@ def test_load_rows_local_files_and_context_column(tmp_path):
 
 def test_missing_column_names_it_and_the_columns_that_exist(tmp_path, capsys):
     path = write_jsonl(tmp_path / "d.jsonl", [{"problem": "p", "answer": "1"}])
-    with pytest.raises(SystemExit):
+    with pytest.raises(opsd.Refusal) as refused:
         opsd.load_rows(path, "train", "problem", "solution")
-    assert "no column 'solution' (--context-column); its columns are ['problem', 'answer']" in capsys.readouterr().err
-    with pytest.raises(SystemExit):
+    assert "no column 'solution' (--context-column); its columns are ['problem', 'answer']" in str(refused.value)
+    with pytest.raises(opsd.Refusal) as refused:
         opsd.load_rows(path, "train", "question", "answer")
-    assert "no column 'question' (--problem-column); its columns are" in capsys.readouterr().err
+    assert "no column 'question' (--problem-column); its columns are" in str(refused.value)
     bad = tmp_path / "d.csv"
     bad.write_text("problem,solution\n")
-    with pytest.raises(SystemExit):
+    with pytest.raises(opsd.Refusal) as refused:
         opsd.load_rows(str(bad), "train", "problem", "solution")
-    assert "must be .json, .jsonl or .parquet" in capsys.readouterr().err
+    assert "must be .json, .jsonl or .parquet" in str(refused.value)
 
 
 def test_long_rows_are_dropped_and_counted(tok, capsys):
@@ -87,9 +87,9 @@ def test_long_rows_are_dropped_and_counted(tok, capsys):
     student, teacher = prompts[0]
     assert student == opsd.render(tok, opsd.student_message("short"), False)
     assert teacher == opsd.render(tok, opsd.teacher_message("short", "s"), True)
-    with pytest.raises(SystemExit):
+    with pytest.raises(opsd.Refusal) as refused:
         opsd.build_prompts(tok, rows, student_thinking=False, teacher_thinking=True, max_prompt_length=10)
-    assert "No row fits --max-prompt-length 10" in capsys.readouterr().err
+    assert "No row fits --max-prompt-length 10" in str(refused.value)
 
 
 def test_data_order_shards_epochs_and_seed():
@@ -123,12 +123,12 @@ def test_two_context_columns_are_joined_and_each_row_checked(tmp_path, capsys):
     assert opsd.load_rows(jsonl, "train", "problem", "COT_Reason, solution")[0] == ("p0", "long trace 0\n\ns0")
     rows[2]["COT_Reason"] = None
     jsonl = write_jsonl(tmp_path / "e.jsonl", rows)
-    with pytest.raises(SystemExit):
+    with pytest.raises(opsd.Refusal) as refused:
         opsd.load_rows(jsonl, "train", "problem", "solution,COT_Reason")
-    assert capsys.readouterr().err == f"opsd.py: error: --dataset {jsonl}, row 3: 'COT_Reason' is None, not a string.\n"
-    with pytest.raises(SystemExit):
+    assert str(refused.value) == f"--dataset {jsonl}, row 3: 'COT_Reason' is None, not a string."
+    with pytest.raises(opsd.Refusal) as refused:
         opsd.load_rows(jsonl, "train", "problem", "solution,")
-    assert "--context-column 'solution,': an empty column name" in capsys.readouterr().err
-    with pytest.raises(SystemExit):
+    assert "--context-column 'solution,': an empty column name" in str(refused.value)
+    with pytest.raises(opsd.Refusal) as refused:
         opsd.load_rows(jsonl, "train", "problem", "solution,trace")
-    assert "has no column 'trace' (--context-column)" in capsys.readouterr().err
+    assert "has no column 'trace' (--context-column)" in str(refused.value)

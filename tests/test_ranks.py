@@ -1,38 +1,61 @@
 # python -m pytest tests/test_ranks.py -q
-"""When one rank of a torchrun job stops alone, it says why once (after its rank) and no rank waits for it: 2-rank
-gloo runs on the CPU where only rank 1 meets a fault (tests/fault_launch.py), each rank's output read from torchrun's
-per-rank log files. A kill -9 of rank 1, and a resume after it, are in test_train.py."""
+"""When one rank of a torchrun job stops alone, it says why (after its rank), and no rank waits for it: 2-rank gloo
+runs on the CPU where only rank 1 meets a fault (tests/fault_launch.py), each rank's output read from torchrun's
+per-rank log files. On one node torchrun ends the other ranks (SIGTERM) within a second of one failing; across nodes
+(two torchrun agents of one rank each) a rank that hangs is found when a collective has waited --collective-timeout.
+A kill -9 of rank 1, a resume after it, Ctrl-C and two nodes computing one node's run are in test_train.py."""
 
 import os
+import signal
 import subprocess
 import sys
 import time
 from pathlib import Path
 
-from conftest import said
+from conftest import launch_two_nodes, rank_stderr, said
 
 ROOT = Path(__file__).resolve().parent.parent
 DATA = ROOT / "tests" / "data" / "math_train.jsonl"
-BOUND_S = 15  # from rank 1's fault to the end of the job: torchrun's 0.1 s poll, a 5 s wait for a word, the exits
+BOUND_S = 15  # from rank 1's fault to the end of the job: torchrun's 0.1 s poll, its SIGTERM, the exits
+FLAGS = ["--model", "MODEL", "--dataset", str(DATA), "--device", "cpu", "--dtype", "float32", "--prompts-per-step",
+         "4", "--micro-batch-size", "1", "--max-new-tokens", "16", "--max-steps", "5", "--save-every", "2"]
+
+
+def flags(tiny_model_dir, out, *extra):
+    return [tiny_model_dir if f == "MODEL" else f for f in FLAGS] + ["--output-dir", str(out), *extra]
+
+
+def fault_time(stderr):
+    """When rank 1 met its fault, and its pid, from the line tests/fault_launch.py prints."""
+    line = next(line for line in stderr.splitlines() if line.startswith("fault at "))
+    return float(line.split()[2]), int(line.split()[4])
 
 
 def launch(tiny_model_dir, tmp_path, fault, *extra):
     """(return code, torchrun's own stderr, {rank: that rank's stderr}, seconds from the fault to the end or None)."""
     logs = tmp_path / "logs"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "--log-dir", str(logs),
-           "--redirects", "3", str(ROOT / "tests" / "fault_launch.py"), "--model", tiny_model_dir, "--dataset",
-           str(DATA), "--device", "cpu", "--dtype", "float32", "--prompts-per-step", "4", "--micro-batch-size", "1",
-           "--max-new-tokens", "16", "--max-steps", "5", "--save-every", "2", "--output-dir", str(tmp_path / "out"),
-           *extra]
+           "--redirects", "3", str(ROOT / "tests" / "fault_launch.py"), *flags(tiny_model_dir, tmp_path / "out", *extra)]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=ROOT, env={**os.environ, "FAULT": fault})
     end = time.time()
     ranks = {int(p.parent.name): p.read_text() for p in logs.glob("*/attempt_0/*/stderr.log")}
-    fault_at = [float(line.split()[-1]) for line in ranks.get(1, "").splitlines() if line.startswith("fault at ")]
-    return proc.returncode, proc.stderr, ranks, (end - fault_at[0]) if fault_at else None
+    elapsed = None
+    if "fault at " in ranks.get(1, ""):
+        elapsed = end - fault_time(ranks[1])[0]
+    return proc.returncode, proc.stderr, ranks, elapsed
 
 
 def root_cause(torchrun_stderr):
     return torchrun_stderr.split("Root Cause (first observed failure):", 1)[1]
+
+
+def quiet_or_one_collective_line(stderr, where):
+    """A rank that torchrun stopped says nothing; if gloo told it first that its peer is gone, it says so in one
+    line. Never a traceback, never the user's interrupt."""
+    ours = [line for line in stderr.splitlines() if line.startswith("opsd.py")]
+    assert "Traceback" not in stderr and "interrupted" not in stderr, stderr[-3000:]
+    assert len(ours) <= 1, ours
+    assert not ours or ours[0].startswith(f"opsd.py: rank 0 stopped {where}: a collective failed ("), ours
 
 
 def test_data_only_rank_1_cannot_read_is_said_by_rank_1_alone(tiny_model_dir, tmp_path):
@@ -44,22 +67,59 @@ def test_data_only_rank_1_cannot_read_is_said_by_rank_1_alone(tiny_model_dir, tm
         code, torchrun, ranks, _ = launch(tiny_model_dir, tmp_path / path.stem, f"data:{path}")
         assert code != 0 and time.time() - t0 < 120  # both ranks stop before a model loads
         assert said(ranks[1], f"opsd.py: error: rank 1: {sentence}") == 1, ranks[1][-2000:]
-        assert ranks[0].strip() == "" or "opsd.py" not in ranks[0], ranks[0][-2000:]  # rank 0 says nothing
+        assert "opsd.py" not in ranks[0], ranks[0][-2000:]  # torchrun stops rank 0, which found nothing wrong
         assert "Traceback" not in ranks[0] + ranks[1]
         assert f"rank 1: {sentence}" in root_cause(torchrun)
         assert not (tmp_path / path.stem / "out" / "args.json").exists()  # no run was started
 
 
-def test_an_out_of_memory_on_rank_1_alone_stops_both_in_one_sentence_each(tiny_model_dir, tmp_path):
+def test_an_out_of_memory_on_rank_1_alone_keeps_torchs_message_and_ends_both(tiny_model_dir, tmp_path):
     code, torchrun, ranks, elapsed = launch(tiny_model_dir, tmp_path, "oom")
     assert code != 0 and elapsed is not None and elapsed < BOUND_S, (elapsed, torchrun[-2000:])
     out = tmp_path / "out"
-    cause = (f"opsd.py: error: rank 1: out of memory at step 3 of 5 (CUDA out of memory. Tried to allocate 2.00 GiB "
-             f"(a test's fault)): lower --micro-batch-size, --loss-chunk-size or --vllm-memory; the last checkpoint is "
-             f"{out / 'checkpoint-2'}.")
-    assert ranks[1].count(cause) == 1 and "Traceback" not in ranks[1], ranks[1][-3000:]
-    assert said(ranks[0], f"opsd.py: rank 0 stopped at step 3 of 5: rank 1 stopped first (its error is in its log); "
-                          f"the last checkpoint is {out / 'checkpoint-2'}.") == 1, ranks[0][-3000:]
-    assert "Traceback" not in ranks[0] and "interrupted" not in ranks[0]  # not the user's Ctrl-C
-    assert "rank 1: out of memory at step 3" in root_cause(torchrun)
+    ours = (f"opsd.py: rank 1: out of memory at step 3 of 5: lower --micro-batch-size, --loss-chunk-size or "
+            f"--vllm-memory; the last checkpoint is {out / 'checkpoint-2'}.")
+    lines = ranks[1].splitlines()
+    torchs = "torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB (a test's fault)"
+    assert lines.count(ours) == 1 and lines.index(torchs) == lines.index(ours) - 1, ranks[1][-3000:]
+    assert "Traceback" not in ranks[1]
+    quiet_or_one_collective_line(ranks[0], "at step 3 of 5")
+    assert ours in root_cause(torchrun)
     assert (out / "checkpoint-2").is_dir() and not (out / "final").exists()
+
+
+def test_a_bug_on_rank_1_alone_is_its_traceback_said_once_and_in_torchruns_report(tiny_model_dir, tmp_path):
+    code, torchrun, ranks, elapsed = launch(tiny_model_dir, tmp_path, "bug")
+    assert code != 0 and elapsed is not None and elapsed < BOUND_S, (elapsed, torchrun[-2000:])
+    head = f"opsd.py: rank 1: error at step 3 of 5 (the last checkpoint is {tmp_path / 'out' / 'checkpoint-2'}):"
+    assert said(ranks[1], head) == 1 and ranks[1].count("Traceback (most recent call last)") == 1, ranks[1][-3000:]
+    assert "RuntimeError: a test's bug" in ranks[1]
+    quiet_or_one_collective_line(ranks[0], "at step 3 of 5")
+    cause = root_cause(torchrun)
+    assert "Traceback (most recent call last)" in cause and "RuntimeError: a test's bug" in cause
+
+
+def test_a_rank_that_hangs_on_another_node_ends_the_run_at_the_collective_timeout(tiny_model_dir, tmp_path):
+    """Two nodes (two torchrun agents, one rank each): rank 1 stops answering (SIGSTOP) in step 3 and does not end,
+    so no torchrun learns of it; rank 0 waits in a collective until --collective-timeout (0.5 minutes), then ends
+    in one line."""
+    logs = tmp_path / "logs"
+    script = [str(ROOT / "tests" / "fault_launch.py"), *flags(tiny_model_dir, tmp_path / "out", "--collective-timeout",
+                                                               "0.5")]
+    node0, node1 = launch_two_nodes(script, logs, env={"FAULT": "hang"})
+    try:
+        _, torchrun0 = node0.communicate(timeout=300)
+        end = time.time()
+    finally:
+        for proc in (node0, node1):
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+        if "fault at " in rank_stderr(logs, 1):
+            os.kill(fault_time(rank_stderr(logs, 1))[1], signal.SIGKILL)  # the stopped worker, a session of its own
+    fault_at, _ = fault_time(rank_stderr(logs, 1))
+    assert node0.returncode != 0
+    assert 30 <= end - fault_at < 30 + BOUND_S, end - fault_at  # the timeout, then the exits
+    rank0 = rank_stderr(logs, 0)
+    assert said(rank0, "opsd.py: rank 0 stopped at step 3 of 5: a collective failed (") == 1, rank0[-3000:]
+    assert "Timed out" in rank0 and "Traceback" not in rank0
+    assert "a collective failed" in root_cause(torchrun0)

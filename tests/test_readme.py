@@ -40,25 +40,52 @@ def test_the_repository_cites_no_file_it_does_not_contain():
         assert not found, f"{path.name} cites {found.group()}"
 
 
-def test_the_reading_map_lists_the_sections_of_opsd_in_order():
+def test_the_reading_guide_names_functions_of_part_1_in_the_order_they_come():
     import re
 
-    lines = (ROOT / "opsd.py").read_text().splitlines()
-    banners = [lines[i + 1][2:].split(":")[0] for i, line in enumerate(lines[:-1]) if re.fullmatch(r"# -{20,}", line)]
-    section = (ROOT / "README.md").read_text().split("## Reading opsd.py", 1)[1].split("\n## ", 1)[0]
-    assert re.findall(r"^- \*\*(.+?)\*\*", section, re.M) == banners
-    assert len(banners) >= 15 and banners.index("The loss") < banners.index("The run") < banners.index("Resume")
+    source = (ROOT / "opsd.py").read_text()
+    guide = (ROOT / "README.md").read_text().split("## Reading opsd.py", 1)[1].split("\n## ", 1)[0]
+    named = re.findall(r"^\d\. `(\w+)(?:\(\))?`", guide, re.M)
+    assert len(named) == 5 and named[-1] == "main", named
+    lines = [source.index(f"\ndef {name}(") for name in named]
+    assert lines == sorted(lines)
+    part_2 = source.index("# PART 2: THE RUN")
+    assert all(line < part_2 for line in lines[:-1])  # the method's four, in Part 1
 
 
-def test_opsd_reads_method_first_within_its_line_budget():
-    lines = (ROOT / "opsd.py").read_text().splitlines()
-    first = {name: next(i for i, l in enumerate(lines, 1) if l.startswith(f"def {name}(")) for name in
-             ("token_divergence", "main")}
-    assert first["token_divergence"] < 400 and len(lines) <= 1250
-    main_end = next(i for i in range(first["main"], len(lines)) if lines[i] and not lines[i].startswith((" ", ")")))
-    assert main_end - first["main"] + 1 <= 120
+# What a reader pays for (no line budget: one rewards packing). The anchors, measured on non-blank lines: nanoGPT's
+# train.py 47.0 characters a line, 3% over 100; nanochat's chat_rl.py 55.9, 11%.
+MEAN_LINE = 58
+SHARE_OVER_100 = 0.10
+CHARACTERS = 76_000  # a ceiling: the file may shrink, not grow
+
+
+def test_opsd_reads_method_first_in_plain_lines():
+    import ast
+
+    source = (ROOT / "opsd.py").read_text()
+    lines = [line for line in source.splitlines() if line.strip()]
+    characters = sum(map(len, lines))
+    assert characters <= CHARACTERS and characters / len(lines) <= MEAN_LINE, (characters, len(lines))
+    assert sum(len(line) > 100 for line in lines) <= SHARE_OVER_100 * len(lines)
     for name in ("opsd.py", "eval.py"):
         assert max(map(len, (ROOT / name).read_text().splitlines())) <= 120, name
+    tree = ast.parse(source)
+    # before Part 1 only the helpers the method calls: print on rank 0, a refusal, a sum over ranks
+    part_1 = source[:source.index("# PART 1: THE METHOD")].count("\n") + 1
+    before = {node.name for node in tree.body if isinstance(node, (ast.FunctionDef, ast.ClassDef))
+              and node.lineno < part_1}
+    assert before == {"print0", "Refusal", "fail", "CollectiveError", "all_reduce"}, before
+    for node in ast.walk(tree):
+        # no conditional expression as a statement, no string multiplied by a boolean
+        assert not (isinstance(node, ast.Expr) and isinstance(node.value, ast.IfExp)), node.lineno
+        if isinstance(node, ast.BinOp) and isinstance(node.op, ast.Mult):
+            sides = (node.left, node.right)
+            text = any(isinstance(x, ast.JoinedStr) or isinstance(getattr(x, "value", None), str) for x in sides)
+            assert not (text and any(isinstance(x, (ast.Compare, ast.BoolOp)) for x in sides)), node.lineno
+        # one name a line, unless they are one unpacked value (a, b = f())
+        if isinstance(node, ast.Assign) and isinstance(node.value, ast.Tuple):
+            assert not any(isinstance(t, ast.Tuple) for t in node.targets), node.lineno
 
 
 def test_opsd_has_no_forward_reference_before_main():

@@ -139,9 +139,9 @@ def test_hard_selection_checks_every_row(tmp_path, capsys):
         path = tmp_path / "d.jsonl"
         third = {**{k: v for k, v in good.items() if k not in ("source", "generated_token_count")}, **bad}
         path.write_text("".join(json.dumps(r) + "\n" for r in [good, good, third]))
-        with pytest.raises(SystemExit):
+        with pytest.raises(opsd.Refusal) as refused:
             opsd.load_rows(str(path), "train", "problem", "solution", "hard")
-        assert capsys.readouterr().err == f"opsd.py: error: --dataset {path}, row 3: {shown}.\n"
+        assert str(refused.value) == f"--dataset {path}, row 3: {shown}."
 
 
 # -- all together under torchrun, with wandb offline, killed and resumed -------------------------

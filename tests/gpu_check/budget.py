@@ -103,8 +103,9 @@ def main(argv=None):
         else:
             config = AutoConfig.from_pretrained(source)
     except (OSError, ValueError, KeyError) as e:
-        opsd.fail(f"cannot read the config of {source} ({str(e).splitlines()[0]}): pass --config PATH.",
-                  prog="budget.py")
+        print(f"budget.py: error: cannot read the config of {source} ({str(e).splitlines()[0]}): pass "
+              "--config PATH.", file=sys.stderr)
+        raise SystemExit(2)
     parameters, lora_parameters = count_parameters(config, args)
     parts = trainer_bytes(config, args, parameters, lora_parameters)
     parts["vllm"] = args.vllm_memory * own.gpu_gib * GIB

@@ -637,7 +637,7 @@ def train_grpo(model_dir, train_file, seed, steps, lr, out_dir, save_every=0):
     tok, model, lora_params = load_student(model_dir, seed)
     prompts = [student_prompt(tok, r["problem"]) for r in rows]
     optimizer = torch.optim.AdamW(lora_params, lr=lr, betas=(0.9, 0.999), weight_decay=0.0)
-    llm = opsd.start_engine(args, 0, 1, torch.device("cpu"))
+    llm = opsd.start_engine(args, torch.device("cpu"))
     out_dir.mkdir(parents=True, exist_ok=True)
     with open(out_dir / "metrics.jsonl", "w") as log:
         for step in range(steps):
@@ -654,9 +654,8 @@ def train_grpo(model_dir, train_file, seed, steps, lr, out_dir, save_every=0):
             loss.backward()
             grad_norm, lr_now = optimizer_step(optimizer, lora_params, step, lr, steps)
             t2 = time.perf_counter()
-            problem = opsd.push_weights(llm, model)  # None, or what the read-back found wrong
-            if problem:
-                raise RuntimeError(problem)
+            opsd.push_weights(llm, model)
+            opsd.check_push(llm, model, out_dir)  # a Refusal if the engine does not hold what was sent
             time_push = time.perf_counter() - t2
             tokens = sum(map(len, completions))
             log.write(json.dumps({"step": step + 1, "loss": loss.item(), "reward_mean": sum(rewards) / len(rewards),
@@ -1139,7 +1138,7 @@ def write_reference_step(path, model_dir=SHIPPED_MODEL, seed=REFERENCE_SEED):
     prompts = [(student_prompt(tok, r["problem"]), teacher_prompt(tok, r["problem"], r["solution"])) for r in train]
     indices = opsd.step_indices(0, COMPLETIONS_PER_STEP, len(prompts), seed)
     sampling_seeds = [(seed * 1_000_003 + j) % 2**31 for j in range(COMPLETIONS_PER_STEP)]  # opsd.py's, step 0
-    llm = opsd.start_engine(args, 0, 1, torch.device("cpu"))
+    llm = opsd.start_engine(args, torch.device("cpu"))
     completions, _ = opsd.sample(llm, [prompts[i][0] for i in indices], sampling_seeds, args)
     opsd.stop_engine(llm)
     rows = [{"student_prompt_ids": prompts[i][0], "teacher_prompt_ids": prompts[i][1], "completion_ids": c}
