@@ -16,9 +16,7 @@ network, and its prompt also holds a reference solution. Each optimizer step:
 Departures from the released recipe (README.md says why): rows [prompt | answer | pads]
 with positions from the attention mask; token ids to vLLM; LoRA merged out of place;
 float32 loss in chunks, normalised over the whole step; a cosine schedule; the token clip.
-
-Read it top to bottom: the helpers the method calls; Part 1, the method; Part 2, the run;
-Part 3, the guards.
+Then: the helpers the method calls; Part 1, the method; Part 2, the run; Part 3, the guards.
 """
 
 import argparse
@@ -1530,8 +1528,8 @@ def check_finite(step, loss, grad_norm, out_dir):
 
 
 # -----------------------------------------------------------------------------
-# When a run stops early. torchrun already ends a node's other ranks within a second of
-# one failing, and its report names the first failure. Done here, what it cannot do: a
+# When a run stops early. torchrun already ends a node's other ranks once it sees one
+# fail (it polls every 0.1 s), and its report names the first failure. Done here, what it cannot do: a
 # refusal said once, by the rank that has it; the command that resumes after Ctrl-C; the
 # flags that lower memory after an out of memory; and a failed rank ended without vLLM's
 # or NCCL's teardown, which could wait for the others.
@@ -1546,6 +1544,12 @@ def error_file(text):
 
 def say(text):
     print(text, file=sys.stderr, flush=True)
+    error_file(text)
+
+
+def say_once(text):
+    """A sentence every rank has: rank 0 prints it, every rank leaves it for torchrun."""
+    print0(text, file=sys.stderr)
     error_file(text)
 
 
@@ -1569,8 +1573,7 @@ def ranks_agree(device):
     if not any_refused:
         return
     if not_all == -1 and high == -neg_low:  # every rank, the same sentence
-        error_file(f"opsd.py: error: {problem}")
-        print0(f"opsd.py: error: {problem}", file=sys.stderr)
+        say_once(f"opsd.py: error: {problem}")
         raise SystemExit(2)
     if problem:
         say(f"opsd.py: error: rank {RANK}: {problem}")
@@ -1593,8 +1596,7 @@ def stop_cleanly(run):
     try:
         yield
     except Refusal as e:
-        error_file(f"opsd.py: error: {e}")
-        print0(f"opsd.py: error: {e}", file=sys.stderr)
+        say_once(f"opsd.py: error: {e}")
         raise SystemExit(2)
     except (Exception, KeyboardInterrupt) as e:
         signal.signal(signal.SIGINT, signal.SIG_IGN)  # torchrun passes Ctrl-C on: once is enough
