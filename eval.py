@@ -17,8 +17,8 @@ from pathlib import Path
 
 import math_verify
 
-import opsd  # what both scripts share: the prompt, the row reader, the model fingerprint, CPU settings
-from opsd import AT_LEAST_1, NON_NEGATIVE, SHARE, model_dir, model_fingerprint
+import opsd  # what both scripts share: the prompt, the answer's \boxed{}, the row reader, the fingerprint, CPU settings
+from opsd import AT_LEAST_1, NON_NEGATIVE, SHARE, extract_boxed, model_dir, model_fingerprint
 
 HUB_IDS = {"aime24": "HuggingFaceH4/aime_2024", "aime25": "yentinglin/aime_2025", "hmmt25": "MathArena/hmmt_feb_2025"}
 GRADING_TIMEOUT_S = 5
@@ -136,18 +136,6 @@ def draw(args, problems, todo, out_dir, config):
 # -----------------------------------------------------------------------------
 # Grading and metrics: the released evaluation's verdict (the last \boxed's content against the gold answer, by
 # math_verify), and the metrics from the sample records alone, so that a resumed run and an uninterrupted one agree.
-
-def extract_boxed(text):
-    """The content of the LAST \\boxed{...}, braces matched; None if they never close or no brace follows \\boxed."""
-    start = text.rfind("\\boxed{")
-    if start < 0 or start != text.rfind("\\boxed"):
-        return None
-    depth = 0
-    for end in range(start + len("\\boxed"), len(text)):
-        depth += {"{": 1, "}": -1}.get(text[end], 0)
-        if depth == 0:
-            return text[start + len("\\boxed{") : end].strip()
-    return None
 
 def verdict(predicted, gold):
     """Is `predicted` (None: no answer) equal to `gold`? math_verify decides, with no fallback and 5 s timeouts

@@ -26,6 +26,7 @@ import json
 import logging
 import math
 import os
+import random
 import re
 import shlex
 import shutil
@@ -117,7 +118,11 @@ def student_message(problem, prompt="recipe"):
 
 
 def teacher_message(problem, context):
-    """The problem, then the privileged context: a reference solution."""
+    """The problem, then the privileged context: a reference solution. With no
+    context (--teacher-context none), the problem and the instruction alone: the
+    transition speaks of the reference, so it goes with it."""
+    if context is None:
+        return f"Problem: {problem}\n\n{INSTRUCTION}"
     return (
         f"Problem: {problem}\n\n"
         "Here is a reference solution to this problem:\n"
@@ -126,6 +131,52 @@ def teacher_message(problem, context):
         "=== Reference Solution End ===\n"
         f"{TRANSITION}\n{INSTRUCTION}"
     )
+
+
+def extract_boxed(text):
+    """The content of the last \\boxed{...}, braces matched; None when there is none or
+    its braces never close."""
+    start = text.rfind("\\boxed{")
+    if start < 0 or start != text.rfind("\\boxed"):
+        return None
+    depth = 0
+    for end in range(start + len("\\boxed"), len(text)):
+        if text[end] == "{":
+            depth += 1
+        elif text[end] == "}":
+            depth -= 1
+        if depth == 0:
+            return text[start + len("\\boxed{"):end].strip()
+    return None
+
+
+# What the teacher is shown in place of its row's reference (--teacher-context)
+TEACHER_CONTEXTS = ("reference", "none", "other", "answer")
+
+
+def shown_contexts(rows, shown, seed):
+    """(problem, context) rows as the teacher sees them (--teacher-context)."""
+    if shown == "none":  # no reference block
+        return [(problem, None) for problem, _ in rows]
+    if shown == "other":  # another row's reference, the same on every rank and resume
+        if len(rows) < 2:
+            fail("--teacher-context other needs at least two rows.")
+        # one cycle through a seeded order: row order[i] gets the reference of row
+        # order[i + 1], so no row gets its own
+        order = list(range(len(rows)))
+        random.Random(seed).shuffle(order)
+        donor = dict(zip(order, order[1:] + order[:1]))
+        return [(problem, rows[donor[i]][1]) for i, (problem, _) in enumerate(rows)]
+    if shown == "answer":  # the last \boxed{} of the row's reference, alone
+        answers = []
+        for number, (problem, reference) in enumerate(rows, 1):
+            answer = extract_boxed(reference)
+            if answer is None:
+                fail(f"--teacher-context answer: row {number} ({problem[:40]!r}) has no "
+                     "\\boxed{} in its reference.")
+            answers.append((problem, f"\\boxed{{{answer}}}"))
+        return answers
+    return rows
 
 
 def render(tokenizer, message, thinking):
@@ -258,8 +309,8 @@ def add_lora(model, r, alpha, seed=0, targets=LORA_TARGETS):
 
 @torch.no_grad()
 def merged_weights(model):
-    """(HF parameter name, merged weight) per LoRA layer, one at a time: a push
-    never holds a second copy of the model."""
+    """(HF parameter name, merged weight) per LoRA layer, one at a time: never a
+    second copy of the model."""
     for name, m in lora_layers(model).items():
         yield f"{name}.weight", m.merged_weight()
 
@@ -274,8 +325,8 @@ CPU_ENGINE = {"enforce_eager": True, "enable_chunked_prefill": False}
 
 
 def engine_environment(cpu):
-    """vLLM logs errors only (also two notices every CPU start prints before its log
-    is set up); on a CPU its KV cache gets 1 GiB."""
+    """vLLM logs errors only (also two notices a CPU start prints early); on a CPU
+    its KV cache gets 1 GiB."""
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
     logging.getLogger("vllm.triton_utils.importing").setLevel(logging.ERROR)
     warnings.filterwarnings("ignore", r"`torch\.distributed\.reduce_op` is deprecated",
@@ -390,32 +441,43 @@ def token_divergence(student_logits, teacher_logits, *, beta=0.0, temperature=1.
 
 
 class PositionStats(NamedTuple):
-    """Diagnostics per answer position, (N,) each, whatever the loss's beta and clip."""
-    kl: torch.Tensor  # unclipped KL(p_T || p_S) at the loss temperature
-    # the teacher's mass on the entries the entry clip clamps, at the loss temperature:
-    # the sum of p_T(v) over the v with p_T(v) (log p_T(v) - log p_S(v)) > tau
+    """Diagnostics per answer position, (N,) each, whatever the loss's beta and clip.
+    All but `logprob` are at the loss temperature."""
+    kl: torch.Tensor  # unclipped KL(p_T || p_S)
+    # the teacher's mass on the entries the entry clip clamps: the sum of p_T(v) over
+    # the v with p_T(v) (log p_T(v) - log p_S(v)) > tau
     clipped_mass: torch.Tensor
     logprob: torch.Tensor  # the student's raw log-prob of the sampled token (as vLLM's)
+    student_entropy: torch.Tensor  # H(p_S) = -sum_v p_S(v) log p_S(v)
+    teacher_entropy: torch.Tensor  # H(p_T)
+    # 1 where the loss term is below -1e-6 (the entry clip can make the sum negative),
+    # else 0; float32's rounding of a zero divergence does not count
+    negative: torch.Tensor
 
 
 @torch.no_grad()
-def divergence_stats(student_logits, log_s, log_t, targets, *, tau):
+def divergence_stats(student_logits, log_s, log_t, targets, terms, *, tau):
     """PositionStats of C positions from the student's raw logits (C, V), both sides'
-    log-probs at the loss temperature (C, V) and the sampled tokens (C,)."""
+    log-probs at the loss temperature (C, V), the sampled tokens (C,) and the loss
+    terms (C,)."""
     raw = student_logits.float()
     logprob = raw.gather(-1, targets[:, None])[:, 0] - raw.logsumexp(-1)
     p_t = log_t.exp()  # (C, V)
     d = p_t * (log_t - log_s)  # (C, V) p_T(v) (log p_T(v) - log p_S(v))
     kl = d.sum(-1)
     clipped_mass = (p_t * (d > tau)).sum(-1)
-    return PositionStats(kl, clipped_mass, logprob)
+    student_entropy = -(log_s.exp() * log_s).sum(-1)
+    teacher_entropy = -(p_t * log_t).sum(-1)
+    negative = (terms < -1e-6).float()
+    return PositionStats(kl, clipped_mass, logprob, student_entropy, teacher_entropy,
+                         negative)
 
 
 def join_stats(stats, like):
     """One PositionStats of a list of them (of none: empty tensors like `like`)."""
     if not stats:
         empty = like.new_zeros(0, dtype=torch.float32)
-        return PositionStats(empty, empty, empty)
+        return PositionStats._make(empty for _ in PositionStats._fields)
     return PositionStats(*(torch.cat(parts) for parts in zip(*stats)))
 
 
@@ -468,7 +530,8 @@ def opsd_loss(student_hidden, student_mask, teacher_hidden, teacher_mask, lm_hea
         total = total + k.detach().sum()
         if targets is not None:
             stats.append(divergence_stats(student_logits.detach(), log_s.detach(),
-                                          log_t.detach(), targets[i:i + chunk_size], tau=tau))
+                                          log_t.detach(), targets[i:i + chunk_size],
+                                          k.detach(), tau=tau))
     loss = total / max(num_tokens, 1)
     if need_grad:  # also with no positions at all, so that backward runs on every rank
         grad = torch.zeros_like(hs)  # (N, H) d sum_n k_n / d hs
@@ -495,7 +558,9 @@ def diagnostic_sums(stats, sampler_logprobs, tau):
     starts = [sum(lengths[:i]) for i, n in enumerate(lengths) if n]  # first positions
     local = {"tokens": len(kl), "kl": kl.sum(), "above_tau": (kl > tau).sum(),
              "clipped_mass": stats.clipped_mass.sum(), "first_kl": kl[starts].sum(),
-             "first_tokens": len(starts), "gap": gap.sum()}
+             "first_tokens": len(starts), "gap": gap.sum(),
+             "student_entropy": stats.student_entropy.sum(),
+             "teacher_entropy": stats.teacher_entropy.sum(), "negative": stats.negative.sum()}
     values = torch.tensor([float(v) for v in local.values()], device=device)
     sums = dict(zip(local, all_reduce(values).tolist()))
     gap_max = kl.new_zeros(())
@@ -505,7 +570,8 @@ def diagnostic_sums(stats, sampler_logprobs, tau):
     return sums
 
 
-WINDOW_KEYS = ("tokens", "kl", "above_tau", "clipped_mass", "first_kl", "first_tokens")
+WINDOW_KEYS = ("tokens", "kl", "above_tau", "clipped_mass", "first_kl", "first_tokens",
+               "student_entropy", "teacher_entropy", "negative")
 
 
 def kl_window_means(window, kl_window):
@@ -518,6 +584,9 @@ def kl_window_means(window, kl_window):
     return {"kl_mean": w["kl"] / tokens, "kl_frac_above_tau": w["above_tau"] / tokens,
             "kl_clipped_teacher_mass": w["clipped_mass"] / tokens,
             "kl_first_token": w["first_kl"] / max(w["first_tokens"], 1),
+            "entropy_student": w["student_entropy"] / tokens,
+            "entropy_teacher": w["teacher_entropy"] / tokens,
+            "loss_frac_negative": w["negative"] / tokens,
             "kl_window_tokens": int(w["tokens"])}
 
 
@@ -697,6 +766,9 @@ def parse_args(argv=None):
     g.add_argument("--problem-column", default="problem")
     g.add_argument("--context-column", default="solution", help="a,b joins two columns")
     g.add_argument("--data-select", default="all", choices=["all", "hard"])
+    g.add_argument("--teacher-context", default="reference", choices=TEACHER_CONTEXTS,
+                   help="what the teacher is shown: the row's reference, none, another "
+                        "row's, or the reference's final answer")
     g.add_argument("--student-prompt", default="recipe", choices=["recipe", "eval"],
                    help="eval: eval.py's prompt")
     g.add_argument("--student-thinking", action=on_off, default=False)
@@ -877,8 +949,8 @@ def choose_attention_kernels():
     torch.backends.cuda.enable_cudnn_sdp(False)
 
 
-# What the push needs, whatever was exported: the engine in this process (no other can
-# take the weights' generator); full-precision float32 matmuls (TF32 rounds the read-back)
+# What the push needs, whatever was exported: the engine in this process (no other
+# can take the weights' generator); float32 matmuls without TF32 (for the read-back)
 PUSH_ENVIRONMENT = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0",
                     "VLLM_FLOAT32_MATMUL_PRECISION": "highest"}
 
@@ -911,6 +983,7 @@ def load_prompts(args):
     tokenizer = AutoTokenizer.from_pretrained(args.model)
     rows = load_rows(args.dataset, args.dataset_split, args.problem_column,
                      args.context_column, args.data_select)
+    rows = shown_contexts(rows, args.teacher_context, args.seed)
     prompts = build_prompts(tokenizer, rows, student_thinking=args.student_thinking,
                             teacher_thinking=args.teacher_thinking,
                             max_prompt_length=args.max_prompt_length,
@@ -939,7 +1012,7 @@ def load_rows(dataset, split, problem_column, context_column, data_select="all")
 
 def read_table(source, split, label):
     """Rows (dicts) of a local .json, .jsonl or .parquet file, or of a hub dataset's
-    split; `label` names the source in a refusal."""
+    split; `label` names the source."""
     path = Path(source).expanduser()
     if not path.is_file():
         if local_path(source):
@@ -956,9 +1029,9 @@ def read_table(source, split, label):
     if path.suffix.lower() not in (".json", ".jsonl"):
         fail(f"{label}: a local file must be .json, .jsonl or .parquet.")
     text = path.read_text()
-    chunks = enumerate(text.splitlines(), 1)  # one JSON object per line,
+    chunks = enumerate(text.splitlines(), 1)  # a JSON object a line, or one array
     if text.lstrip().startswith("["):
-        chunks = [(1, text)]  # or one JSON array
+        chunks = [(1, text)]
     rows = []
     for number, chunk in chunks:
         if not chunk.strip():
@@ -977,9 +1050,8 @@ def read_table(source, split, label):
 
 
 def check_columns(rows, source, needed_by, kinds, *columns):
-    """Every row holds each of `columns`, a value of `kinds` (a bool is no number);
-    else one sentence naming the column, or the first bad row, and the flag that
-    asks for it (`needed_by`)."""
+    """Every row holds each of `columns`, a value of `kinds` (a bool is no number),
+    else a refusal naming the column or row, and the flag `needed_by`."""
     for column in columns:
         if column not in rows[0]:
             fail(f"{source} has no column {column!r} ({needed_by}); its columns are "
@@ -1092,8 +1164,8 @@ def restore(checkpoint, model, lora_params, optimizer):
 
 def save_run_state(out_dir, model, lora_params, ema, args, state=None):
     """checkpoint-<step>/ (given `state`) or final/: the adapter, the EMA teacher's
-    in ema/, and the step, optimizer and KL window, all flushed. No RNG state: the
-    data order and the sampling seeds are functions of (seed, step)."""
+    in ema/, the step, optimizer and KL window. No RNG state: the data order and the
+    sampling seeds are functions of (seed, step)."""
     name = "final"
     if state:
         name = f"checkpoint-{state['step']}"
@@ -1106,8 +1178,7 @@ def save_run_state(out_dir, model, lora_params, ema, args, state=None):
             save_adapter(model, tmp / "ema", args.model)
     if state is not None:
         torch.save(state, tmp / "trainer_state.pt")
-    # on disk before the rename, and the rename on disk after it: a power loss leaves
-    # the old checkpoint or the new one, whole
+    # on disk before the rename, the rename on disk after it: a crash leaves one whole
     for path in [*tmp.rglob("*"), tmp]:
         flush(path)
     shutil.rmtree(final_dir, ignore_errors=True)
@@ -1126,9 +1197,9 @@ def flush(path):
 # Logs: args.json, the step line, metrics.jsonl, rollouts.jsonl; wandb when asked
 
 def open_run(args, start_step, run_identity):
-    """Rank 0: delete the old run (--overwrite); record the flags and the run's
-    fingerprint; cut the logs back to the resumed step (dropping later steps and a
-    line a kill cut short); start Weights & Biases when asked."""
+    """Rank 0: delete the old run (--overwrite); write args.json with the run's
+    fingerprint; cut the logs back to the resumed step (and a line a kill cut
+    short); start Weights & Biases when asked."""
     out_dir = Path(args.output_dir)
     if args.overwrite:
         for path in run_files(out_dir):
@@ -1166,8 +1237,8 @@ def write_atomically(path, text):
 
 
 def rollout_records(args, step, indices, mine, completions, kl, tokenizer):
-    """Rank 0's answers of the step when rollouts.jsonl is due (else none), each with
-    its tokens and the KL(p_T || p_S) at every one of them."""
+    """Rank 0's answers when rollouts.jsonl is due (else none), with each token's
+    KL(p_T || p_S)."""
     every = args.log_rollouts_every
     last = step + 1 == args.max_steps
     if not every or not (step == 0 or (step + 1) % every == 0 or last):
@@ -1182,6 +1253,7 @@ def rollout_records(args, step, indices, mine, completions, kl, tokenizer):
 GAP_ALARM = {"float32": 1e-4, "bfloat16": 5e-2}  # its floor on CPU kernels: 1e-6, 1e-2
 STEP_LINE = ("step {step:4d}/{max_steps} | loss {loss:.4f} | lr {lr:.2e} | grad {grad_norm:.4f}"
              " | kl {kl_mean:.4f} >tau {kl_frac_above_tau:.1%} | len {completion_len_mean:.0f}"
+             " | entropy {entropy_student:.2f}/{entropy_teacher:.2f} neg {loss_frac_negative:.1%}"
              " | sample {time_sample:.1f}s train {time_train:.1f}s push {time_push:.2f}s"
              " | {tokens_per_second:.0f} tok/s | gap {logprob_gap_mean:.1e}/{logprob_gap_max:.1e}")
 
@@ -1214,9 +1286,9 @@ def log_step(args, record, rollouts, tracker):
 
 # -----------------------------------------------------------------------------
 # Output directory and resume: no run is overwritten unless asked; a resume must be
-# the same run (flags, prompts, model files, device type)
+# the same run
 
-# the flags a resumed run may change: how it runs or logs, not what it computes
+# the flags a resume may change: how it runs or logs, not what it computes
 RESUMABLE_CHANGES = ("output_dir", "resume", "overwrite", "micro_batch_size",
                      "gradient_checkpointing", "loss_chunk_size", "vllm_memory", "device",
                      "collective_timeout", "save_every", "kl_window", "log_rollouts_every",
@@ -1239,11 +1311,10 @@ def latest_checkpoint(out_dir):
 
 
 def check_output_dir(args):
-    """(the checkpoint to resume, the fingerprint its run recorded), or (None, None)
-    for a new run."""
+    """(the checkpoint to resume, its run's fingerprint), or (None, None)."""
     out_dir = Path(args.output_dir)
-    # each rank writes a file of its own there (or in the nearest directory above that
-    # exists): nothing is made before every check has passed
+    # a file of this rank's, in the nearest directory that exists: nothing is made
+    # before every check has passed
     nearest = next(p for p in (out_dir, *out_dir.parents) if p.exists())
     probe = nearest / f".write-test-{RANK}"
     try:
@@ -1264,7 +1335,7 @@ def check_output_dir(args):
     saved = json.loads((out_dir / "args.json").read_text())
     if "fingerprint" not in saved:
         fail(f"--resume: {out_dir / 'args.json'} records no run fingerprint (an older "
-             "opsd.py wrote it): start a new --output-dir.")
+             "opsd.py): start a new --output-dir.")
     changed = ["--" + k.replace("_", "-") for k, v in vars(args).items()
                if k not in RESUMABLE_CHANGES and saved.get(k) != v]
     if changed:
@@ -1278,10 +1349,10 @@ def check_output_dir(args):
         fail(f"--resume: {out_dir} holds no checkpoint yet; restart with --overwrite.")
     loaders = {".safetensors": load_file, ".json": lambda f: json.loads(f.read_text()),
                ".pt": lambda f: torch.load(f, map_location="cpu", weights_only=True)}
-    for path in sorted(checkpoint.rglob("*.*")):  # a file a kill or a full disk cut short
+    for path in sorted(checkpoint.rglob("*.*")):  # a file a full disk cut short
         try:
             loaders[path.suffix](path)
-        except Exception as e:  # each loader fails in its own way
+        except Exception as e:  # each loader fails its own way
             fail(f"--resume: {path} does not load ({type(e).__name__}): delete "
                  f"{checkpoint} to resume from the checkpoint before it, or start afresh "
                  "with --overwrite.")
@@ -1289,9 +1360,9 @@ def check_output_dir(args):
 
 
 def run_fingerprint(args, prompts, device):
-    """What a resume must find unchanged, by content: the prompts (their number, and a
-    hash of their token ids: together they fix every step's data), the model's files
-    and the device type (CPU and CUDA sample apart)."""
+    """What a resume must find unchanged: the prompts (their number and token ids fix
+    every step's data), the model's files, the device type (CPU and CUDA sample
+    apart)."""
     ids = hashlib.sha256()
     for student, teacher in prompts:
         ids.update(array("q", [len(student), len(teacher), *student, *teacher]).tobytes())
@@ -1300,9 +1371,8 @@ def run_fingerprint(args, prompts, device):
 
 
 def model_fingerprint(model):
-    """sha256 of config.json and of each weight file's name, size and 16 evenly spaced
-    64 KiB samples (a file under 1 MiB whole): cheap at any size. None unless a local
-    directory or a cached hub snapshot holds the weights."""
+    """sha256 of config.json and of each weight file's name, size and 16 spread 64 KiB
+    samples (a file under 1 MiB whole); None without local weights."""
     folder = model_dir(model)
     if folder is None or not (folder / "config.json").is_file():
         return None
@@ -1351,8 +1421,8 @@ def check_fingerprint(saved, current, checkpoint):
 
 
 # -----------------------------------------------------------------------------
-# Model guards: the loss takes logits = final hidden state @ lm_head.weight^T, and LoRA
-# must reach all seven projections of every decoder layer
+# Model guards: logits = final hidden state @ lm_head.weight^T; LoRA on all seven
+# projections of every decoder layer
 
 def local_path(value):
     """True when `value` names a local file or directory, not a hub id (org/name)."""
@@ -1363,8 +1433,8 @@ def local_path(value):
 
 
 def check_model(args):
-    """The model's config, before any weight loads: its logits, its LoRA targets, its
-    size against the device, its context against the lengths."""
+    """The model's config, before its weights load: its logits, LoRA targets, size,
+    context."""
     from transformers import AutoConfig, AutoModelForCausalLM
     name = f"--model {args.model}"
     if local_path(args.model) and not Path(args.model).expanduser().is_dir():
@@ -1393,8 +1463,8 @@ def check_model(args):
 
 
 def missing_lora_targets(model):
-    """None when every decoder layer holds each LoRA target as an nn.Linear; else
-    what is missing and where (a hybrid model's layers differ)."""
+    """None when every decoder layer holds each LoRA target as an nn.Linear, else
+    what is missing where."""
     everywhere = set()
     by_layer = {}  # layer number -> the names of its linear layers
     for name, m in model.named_modules():
@@ -1420,8 +1490,8 @@ def missing_lora_targets(model):
 
 
 def check_device(args, parameters):
-    """--device cuda needs a GPU; --device auto trains no model above 0.1B parameters on a
-    CPU."""
+    """--device cuda needs a GPU; --device auto trains no model above 0.1B parameters
+    on a CPU."""
     if torch.cuda.is_available() or args.device == "cpu":
         return
     if args.device == "cuda":
@@ -1440,8 +1510,7 @@ def check_device(args, parameters):
 @torch.no_grad()
 def check_logits_path(model):
     """None when final_hidden @ lm_head.weight^T gives the model's logits on a 16-token
-    probe, else why not. A model whose forward does more (soft-capping, scaling, an
-    lm_head bias) would get a silently wrong loss."""
+    probe, else why not (soft-capping, scaling, a bias: a silently wrong loss)."""
     if getattr(model.get_output_embeddings(), "bias", None) is not None:
         return "its lm_head has a bias"
     positions = torch.arange(16, device=model.device)[None]  # (1, 16)
@@ -1464,14 +1533,13 @@ def check_logits_path(model):
 
 
 def check_same_on_every_rank(lora_params):
-    """One MAX over ranks of (checksum, -checksum) gives every rank the largest and
-    the smallest checksum of the LoRA weights."""
+    """The LoRA weights' checksum alike on every rank: one MAX over ranks of
+    (checksum, -checksum) gives the largest and the smallest."""
     checksum = torch.cat([p.detach().flatten() for p in lora_params]).double().sum()
     high, neg_low = all_reduce(torch.stack([checksum, -checksum]), dist.ReduceOp.MAX).tolist()
     if high != -neg_low:
         fail(f"the ranks hold different LoRA weights (checksums {-neg_low!r} to {high!r}): "
-             "every rank must run the same opsd.py, torch and --seed, and resume the same "
-             "files.")
+             "run the same opsd.py, torch and --seed, and resume the same files.")
 
 
 # -----------------------------------------------------------------------------
@@ -1479,8 +1547,7 @@ def check_same_on_every_rank(lora_params):
 
 def fingerprint(weight):
     """An exact fingerprint of a weight's bits (-0.0 as 0.0): their plain, squared and
-    position-weighted sums in wrapping int64 arithmetic, which no order of summation
-    can change."""
+    position-weighted sums in wrapping int64, which no summation order changes."""
     bits = (weight.detach() + 0.0).contiguous()
     bits = bits.view(getattr(torch, f"int{8 * weight.element_size()}")).flatten().long()
     position = torch.arange(1, bits.numel() + 1, device=bits.device)
@@ -1509,8 +1576,8 @@ def engine_fingerprints(model):
 
 
 def check_push(llm, model, out_dir):
-    """The engine holds what the push sent: every LoRA layer is merged again and
-    compared bit for bit with the engine's weights (never with vLLM's log)."""
+    """The engine holds what the push sent: each LoRA layer merged again, compared bit
+    for bit with the engine's weights."""
     engine = llm.apply_model(engine_fingerprints)[0]
     for name, m in lora_layers(model).items():
         if engine.get(f"{name}.weight") != fingerprint(m.merged_weight()):
@@ -1528,11 +1595,10 @@ def check_finite(step, loss, grad_norm, out_dir):
 
 
 # -----------------------------------------------------------------------------
-# When a run stops early. torchrun already ends a node's other ranks once it sees one
-# fail (it polls every 0.1 s), and its report names the first failure. Done here, what it cannot do: a
-# refusal said once, by the rank that has it; the command that resumes after Ctrl-C; the
-# flags that lower memory after an out of memory; and a failed rank ended without vLLM's
-# or NCCL's teardown, which could wait for the others.
+# When a run stops early. torchrun ends a node's other ranks when one fails, and its
+# report names the first failure. Done here: a refusal said once, by the rank that has
+# it; after Ctrl-C, the command that resumes; after an out of memory, the flags that
+# lower it; a failed rank ended without vLLM's or NCCL's teardown, which could wait.
 
 def error_file(text):
     """Leave `text` where torchrun's report reads a rank's error (its Root Cause)."""
@@ -1555,9 +1621,9 @@ def say_once(text):
 
 @contextmanager
 def ranks_agree(device):
-    """Checks each rank makes on its own (its files, its engine), then one collective:
-    if any rank refused, all stop. A refusal every rank made alike is said once, by
-    rank 0; else each refusing rank says its own, after its rank, and ends first."""
+    """Checks each rank makes on its own, then one collective: if any refused, all
+    stop. A refusal every rank made alike is said by rank 0; else each refusing rank
+    says its own, after its rank, and ends first."""
     problem = None
     try:
         yield
@@ -1585,8 +1651,8 @@ def ranks_agree(device):
 
 @contextmanager
 def stop_cleanly(run):
-    """How main() ends when it does not finish (`run`: its argv, args and step). A
-    refusal every rank meets alike (a flag, a non-finite loss) is said by rank 0."""
+    """How main() ends early (`run`: its argv, args and step). A refusal every rank
+    meets alike (a flag, a non-finite loss) is said by rank 0."""
     interrupted = []
 
     def on_interrupt(signum, frame):
@@ -1632,11 +1698,9 @@ def stop_cleanly(run):
 
 def interrupt_message(argv, where, last):
     """What rank 0 says after Ctrl-C: where the run stopped, and how to go on."""
-    if argv is None:
-        argv = sys.argv[1:]
     if last is None:
         return f"opsd.py: interrupted {where}; no checkpoint yet, so nothing to resume."
-    flags = [a for a in argv if a not in ("--overwrite", "--resume")]
+    flags = [a for a in argv or sys.argv[1:] if a not in ("--overwrite", "--resume")]
     launcher = "python"
     if WORLD_SIZE > 1:
         launcher = f"torchrun --nproc_per_node {WORLD_SIZE}"

@@ -211,3 +211,27 @@ def test_diagnostics_against_float64_reference():
     torch.testing.assert_close(stats.clipped_mass.double(), clipped_mass, atol=1e-6, rtol=1e-5)
     torch.testing.assert_close(stats.logprob.double(), raw_logprob, atol=1e-5, rtol=1e-6)
     assert (clipped_mass > 0).any() and (clipped_mass < 1).all()
+    # entropies at the loss temperature, -sum_v p(v) log p(v), written in probability space
+    torch.testing.assert_close(stats.student_entropy.double(), -(p_s * p_s.log()).sum(-1), atol=1e-5, rtol=1e-6)
+    torch.testing.assert_close(stats.teacher_entropy.double(), -(p_t * p_t.log()).sum(-1), atol=1e-5, rtol=1e-6)
+    assert (p_s * p_s.log()).sum(-1).sub((p_t * p_t.log()).sum(-1)).abs().min() > 1e-3  # the two sides apart
+    assert stats.negative.sum() == 0  # a JSD, token-clipped, is never below 0
+
+
+def test_negative_loss_terms_are_counted_where_the_entry_clip_makes_them():
+    """The entry clip bounds each entry's p_T (log p_T - log p_S) by tau before the sum; the entries where p_T < p_S
+    are negative and unbounded, so the clipped sum can fall below 0 (the unclipped KL never does)."""
+    hs, ht, W, s_mask, t_mask = hidden_batch(10)
+    ht[t_mask] = hs[s_mask] + 0.4 * torch.randn(15, 16, generator=torch.Generator().manual_seed(1))  # nearby
+    s_logits, t_logits = (hs @ W.T)[s_mask], (ht @ W.T)[t_mask]
+    targets = torch.zeros(s_logits.shape[0], dtype=torch.long)
+    for tau, clip in ((0.02, "entry"), (0.02, "token"), (0.02, "none")):
+        loss, stats = opsd_loss(hs, s_mask, ht, t_mask, W, 15, targets, clip=clip, temperature=T, tau=tau,
+                                chunk_size=4, loss_positions=torch.arange(15) != 3)  # position 3 out of the loss
+        k = reference_divergence(s_logits, t_logits, 0.0, T, clip, tau) * (torch.arange(15) != 3)
+        assert ((k + 1e-6).abs() > 1e-7).all()  # no term at the threshold: the count is exact on any CPU
+        torch.testing.assert_close(stats.negative.double(), (k < -1e-6).double())
+        if clip == "entry":
+            assert 0 < stats.negative.sum() < 14, k  # some terms below 0, not all
+        else:
+            assert stats.negative.sum() == 0

@@ -2,11 +2,18 @@
 """Prompts and data: the released recipe's strings (written out here by hand), loading, dropping, order."""
 
 import json
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
+import torch
 from transformers import AutoTokenizer
 
 import opsd
+
+ROOT = Path(__file__).resolve().parent.parent
 
 PROBLEM, SOLUTION = "What is 17 + 25?", "10 + 20 = 30 and 7 + 5 = 12, so \\boxed{42}."
 
@@ -132,3 +139,72 @@ def test_two_context_columns_are_joined_and_each_row_checked(tmp_path, capsys):
     with pytest.raises(opsd.Refusal) as refused:
         opsd.load_rows(jsonl, "train", "problem", "solution,trace")
     assert "has no column 'trace' (--context-column)" in str(refused.value)
+
+
+# -- what the teacher is shown (--teacher-context) ----------------------------------------------------------------
+
+ROWS = [("What is 17 + 25?", "10 + 20 = 30 and 7 + 5 = 12, so \\boxed{42}."),
+        ("Halve 1.", "Half of one is \\boxed{\\frac{1}{2}}, not \\boxed{2} first: \\boxed{\\frac{1}{2}}"),
+        ("What is 2 + 2?", "Two and two: \\boxed{4}."),
+        ("What is 3 * 3?", "Three threes: \\boxed{9}.")]
+# the teacher's messages, typed out: the reference block, and with no context the recipe's student message
+NO_REFERENCE = "Problem: What is 17 + 25?\n\nPlease reason step by step, and put your final answer within \\boxed{}."
+ANSWER_ONLY = EXPECTED_TEACHER.replace("10 + 20 = 30 and 7 + 5 = 12, so \\boxed{42}.", "\\boxed{42}")
+HALF_ANSWER = "=== Reference Solution Begin ===\n\\boxed{\\frac{1}{2}}\n=== Reference Solution End ==="
+
+
+def teacher_texts(tok, shown, seed=3, rows=ROWS):
+    prompts = opsd.build_prompts(tok, opsd.shown_contexts(rows, shown, seed), student_thinking=False,
+                                 teacher_thinking=True, max_prompt_length=4096)
+    return [tok.decode(teacher) for _, teacher in prompts], [student for student, _ in prompts]
+
+
+def test_what_the_teacher_is_shown_is_a_switch(tok):
+    chat = "<|im_start|>user\n{}<|im_end|>\n<|im_start|>assistant\n"  # thinking on: no empty think block
+    reference, students = teacher_texts(tok, "reference")
+    assert reference[0] == chat.format(EXPECTED_TEACHER)  # the default is unchanged
+    none, none_students = teacher_texts(tok, "none")
+    assert none[0] == chat.format(NO_REFERENCE) and all("Reference" not in t for t in none)
+    answer, _ = teacher_texts(tok, "answer")
+    assert answer[0] == chat.format(ANSWER_ONLY)
+    assert HALF_ANSWER in answer[1]  # the LAST \boxed{}, nested braces whole
+    other, other_students = teacher_texts(tok, "other")
+    assert students == none_students == other_students  # the student never changes
+    # another row's reference, each row's exactly once, never its own
+    donors = [next(j for j, (_, ref) in enumerate(ROWS) if ref in text) for text in other]
+    assert sorted(donors) == [0, 1, 2, 3] and all(d != i for i, d in enumerate(donors)), donors
+    assert all(t.replace(ROWS[d][1], ROWS[i][1]) == reference[i] for i, (t, d) in enumerate(zip(other, donors)))
+
+
+def test_the_other_rows_pairing_is_a_derangement_fixed_by_the_seed_alone():
+    rows = [(f"p{i}", f"r{i}") for i in range(50)]
+    for seed in range(20):
+        donors = [int(ref[1:]) for _, ref in opsd.shown_contexts(rows, "other", seed)]
+        assert sorted(donors) == list(range(50)) and all(d != i for i, d in enumerate(donors)), (seed, donors)
+    assert opsd.shown_contexts(rows, "other", 1) != opsd.shown_contexts(rows, "other", 2)
+    # another process, as another rank or a resume: other hash seed, other torch RNG state, same pairing
+    code = ("import os, random, sys, torch; torch.manual_seed(os.getpid()); random.seed(); import opsd; "
+            f"print([c for _, c in opsd.shown_contexts({rows!r}, 'other', 7)])")
+    for rank in ("0", "1"):
+        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, check=True,
+                             env={**os.environ, "RANK": rank, "WORLD_SIZE": "2", "PYTHONHASHSEED": str(11 + int(rank))})
+        assert out.stdout.strip() == str([c for _, c in opsd.shown_contexts(rows, "other", 7)])
+    with pytest.raises(opsd.Refusal, match="--teacher-context other needs at least two rows"):
+        opsd.shown_contexts(rows[:1], "other", 0)
+
+
+def test_a_reference_without_boxed_is_refused_naming_its_row_and_the_fingerprint_follows_the_switch(tok, tmp_path):
+    rows = ROWS + [("Name a prime.", "Seven is prime.")]
+    with pytest.raises(opsd.Refusal) as refusal:
+        opsd.shown_contexts(rows, "answer", 0)
+    assert str(refusal.value) == "--teacher-context answer: row 5 ('Name a prime.') has no \\boxed{} in its reference."
+    args = opsd.parse_args(["--teacher-context", "answer"])
+    assert args.teacher_context == "answer" and opsd.parse_args([]).teacher_context == "reference"
+    device = torch.device("cpu")
+    prints = set()
+    for shown in opsd.TEACHER_CONTEXTS:  # a resume with another switch finds other prompt ids, and is refused
+        prompts = opsd.build_prompts(tok, opsd.shown_contexts(ROWS, shown, 0), student_thinking=False,
+                                     teacher_thinking=True, max_prompt_length=4096)
+        prints.add(opsd.run_fingerprint(opsd.parse_args(["--model", str(tmp_path)]), prompts, device)
+                   ["prompt_ids_sha256"])
+    assert len(prints) == 4

@@ -5,7 +5,7 @@ the EMA teacher; the entry clip, the forward KL, the current student as teacher)
 opsd.backward_step to write down what each rank trained on, then calls it unchanged. From those rows and the
 checkpoints this file recomputes every step in float64 with its own code (each row alone through the merged
 weights, the divergence from its formulas, no opsd loss function): the loss, kl_mean, kl_frac_above_tau,
-kl_first_token, the clipped teacher mass, the gradient norm, and the adapter after the last step (its own AdamW).
+kl_first_token, the clipped teacher mass, both entropies, the share of negative loss terms, the gradient norm, and the adapter after the last step (its own AdamW).
 It also checks that each rank trained on the prompts step_indices names for it, none shared, and that the answers
 rollouts.jsonl logs (rank 0's, at steps 1 and 3 here) carry each token's KL as the oracle computes it."""
 
@@ -112,30 +112,37 @@ def divergences(s, t, flags):
         raw = entries.sum(-1)
         k, cut = torch.where(raw > tau, raw * (tau / raw).detach(), raw), raw > tau  # value min(k, tau)
     term = p_t * (log_t - log_s)
-    return k, term.sum(-1).detach(), (p_t * (term > tau)).sum(-1).detach(), cut
+    entropies = (-(p_s * log_s).sum(-1).detach(), -(p_t * log_t).sum(-1).detach())
+    return k, term.sum(-1).detach(), (p_t * (term > tau)).sum(-1).detach(), cut, entropies
 
 
 def step_oracle(model, student, teacher, ranks, step, flags):
     """What step `step` (1-based) computes over both ranks' rows: figures and the gradient w.r.t. the student's LoRA."""
-    ks, kls, masses, firsts, clipped = [], [], [], [], []
+    ks, kls, masses, firsts, clipped, h_s, h_t = [], [], [], [], [], [], []
     for seen in ranks:
         rows = seen[step - 1]  # what backward_step received on this rank at this step
         for sp, tp, c in zip(rows["student"], rows["teacher"], rows["completions"]):
             with torch.no_grad():
                 t = logits(model, teacher, tp, c, flags)
-            k, kl, mass, cut = divergences(logits(model, student, sp, c, flags), t, flags)
+            k, kl, mass, cut, (h_student, h_teacher) = divergences(logits(model, student, sp, c, flags), t, flags)
             ks.append(k[flags["skip_first_tokens"]:])
             clipped.append(cut[flags["skip_first_tokens"]:])
             kls.append(kl.detach())
             masses.append(mass)
             firsts.append(kl[0])
+            h_s.append(h_student)
+            h_t.append(h_teacher)
     kept, kl = torch.cat(ks), torch.cat(kls)
+    # a loss term below -1e-6 is negative; the skipped positions' terms are 0
+    negative = (kept.detach() < -1e-6).sum().item()
     loss = kept.sum() / len(kept)
     loss.backward()
     return {"loss": loss.item(), "kl_mean": kl.mean().item(), "kl_frac_above_tau": (kl > flags["tau"]).double().mean()
             .item(), "kl_first_token": torch.stack(firsts).mean().item(), "kl_clipped_teacher_mass":
             torch.cat(masses).mean().item(), "kl_window_tokens": len(kl),
-            "clipped_share": torch.cat(clipped).double().mean().item(), "rows_kl": kls}  # rank 0's rows first
+            "clipped_share": torch.cat(clipped).double().mean().item(), "rows_kl": kls,  # rank 0's rows first
+            "entropy_student": torch.cat(h_s).mean().item(), "entropy_teacher": torch.cat(h_t).mean().item(),
+            "loss_frac_negative": negative / len(kl), "negative_terms": negative}
 
 
 def leaves(lora):
@@ -152,15 +159,19 @@ def test_every_step_of_the_run_matches_the_float64_oracle(oracle_run, tiny_model
     if flags["teacher"] == "ema":  # the EMA is the student until the first step makes a copy of it, then
         d = flags["ema_decay"]     # decay * ema + (1 - decay) * student after each step, for A and for B
         plan[2] = (s2, {n: (d * s1[n][0] + (1 - d) * s2[n][0], d * s1[n][1] + (1 - d) * s2[n][1]) for n in names})
+    negatives = []
     for step, (student, teacher) in enumerate(plan, 1):
         student = leaves(student)
         want = step_oracle(model, student, teacher, ranks, step, flags)
         got = records[step - 1]
-        for key in ("loss", "kl_mean", "kl_first_token", "kl_clipped_teacher_mass"):
+        for key in ("loss", "kl_mean", "kl_first_token", "kl_clipped_teacher_mass", "entropy_student",
+                    "entropy_teacher"):
             assert got[key] == pytest.approx(want[key], rel=2e-4, abs=1e-7), (step, key, got[key], want[key])
         # a position within float32 rounding of tau may fall either side: at most one of them
         assert abs(got["kl_frac_above_tau"] - want["kl_frac_above_tau"]) <= 1 / want["kl_window_tokens"] + 1e-12
+        assert abs(got["loss_frac_negative"] - want["loss_frac_negative"]) <= 1 / want["kl_window_tokens"] + 1e-12
         assert got["kl_window_tokens"] == want["kl_window_tokens"]
+        negatives.append(want["negative_terms"])
         grads = [g for n in names for g in (student[n][0].grad, student[n][1].grad)]
         norm = torch.sqrt(sum((g ** 2).sum() for g in grads)).item()
         assert got["grad_norm"] == pytest.approx(norm, rel=2e-4), (step, got["grad_norm"], norm)
@@ -168,6 +179,9 @@ def test_every_step_of_the_run_matches_the_float64_oracle(oracle_run, tiny_model
         if flags["clip"] == "token":
             assert 0 < want["loss"] < flags["tau"]
         check_logged_answers(out, step, got, want, ranks, flags)
+    # the tiny random model's KL (about 1) is far above tau: no clipped sum falls below 0 here (tests/test_loss.py
+    # shows the entry clip's negative terms counted where teacher and student are close)
+    assert sum(negatives) == 0, negatives
     # the adapter after step 3: AdamW from checkpoint-2's moments, with the clipped step-3 gradient, written out
     state = torch.load(out / "checkpoint-2" / "trainer_state.pt", weights_only=True)["optimizer"]["state"]
     final = adapter(out / "final", names)

@@ -329,9 +329,8 @@ def test_resume_refuses_other_contents(entry_run, tiny_model_dir, tmp_path):
                              f"type (cuda -> cpu) changed since {out / 'checkpoint-2'} was written") == 1, proc.stderr
 
 
-def test_ctrl_c_stops_every_rank_in_one_line_with_the_command_that_resumes(entry_run, tiny_model_dir, tmp_path):
+def test_ctrl_c_stops_every_rank_in_one_line_with_the_command_that_resumes(tiny_model_dir, tmp_path):
     # Ctrl-C reaches torchrun, which passes SIGINT on to every rank
-    reference, _ = entry_run
     out = tmp_path / "run"
     cmd = opsd_command(tiny_model_dir, out, "--clip", "entry", "--max-steps", "5", "--save-every", "2")
     stderr = signal_after_checkpoint_2(cmd, out, signal.SIGINT)
@@ -342,9 +341,8 @@ def test_ctrl_c_stops_every_rank_in_one_line_with_the_command_that_resumes(entry
     command = lines[0].split("continue with: ", 1)[1]
     assert command.endswith(" --resume") and "--overwrite" not in command
     resume = cmd[:cmd.index(str(ROOT / "opsd.py")) + 1] + command.split(" opsd.py ", 1)[1].split()
-    assert resume == cmd + ["--resume"]  # the printed command is the run's own, continued
-    run(resume)
-    assert without_timings(metrics(out)) == without_timings(metrics(reference))
+    # the printed command is the run's own, continued: the kill test shows that it resumes to the uninterrupted run
+    assert resume == cmd + ["--resume"]
 
 
 def test_a_schedulers_sigterm_ends_every_rank_at_once_and_the_run_resumes_from_its_checkpoint(tiny_model_dir,
