@@ -553,3 +553,294 @@ def test_the_budget_says_in_one_sentence_when_a_run_does_not_fit(capsys):
     assert budget.main(["--gpu-gib", "24", "--config", str(configs / "Qwen3-8B.json"), "--", *recommended]) == 1
     err = capsys.readouterr().err.splitlines()
     assert len(err) == 1 and err[0].startswith("budget.py: does not fit: ") and "--micro-batch-size" in err[0]
+
+
+# -- the time budget (tests/gpu_check/budget.py): each piece against FLOPs and bytes counted by hand, and the training
+# FLOPs against torch's own count of what opsd.backward_step runs --------------------------------------------------
+
+def tiny_qwen3_config():
+    """gpu_check's tiny Qwen3: hidden 64, MLP 128, 2 layers, 2 query heads and 1 key/value head of 32, vocabulary
+    512, tied embeddings."""
+    import gpu_check
+    from transformers import Qwen3Config
+
+    return Qwen3Config(**{k: v for k, v in gpu_check.TINY_QWEN3.items() if k != "rope_theta"})
+
+
+# The tiny Qwen3 by hand. A layer's seven projections: q and o 64 x 64, k and v 64 x 32, gate, up and down 64 x 128.
+TINY_PROJECTIONS = 2 * (2 * 64 * 64 + 2 * 64 * 32 + 3 * 64 * 128)  # 73,728 weights in 2 layers
+# Its LoRA at r 8: r x (in + out) a projection
+TINY_LORA = 2 * 8 * (2 * (64 + 64) + 2 * (64 + 32) + 3 * (64 + 128))  # 16,384
+# Every parameter: the embedding (512 x 64, also the lm_head), per layer the projections, two norms of 64 and q's
+# and k's norms of 32, and the final norm
+TINY_PARAMETERS = 512 * 64 + TINY_PROJECTIONS + 2 * (64 + 64 + 32 + 32) + 64  # 106,944
+
+
+def test_the_budget_counts_a_tiny_qwen3_as_by_hand():
+    import budget
+
+    config = tiny_qwen3_config()
+    args = budget.opsd.parse_args(["--lora-r", "8", "--lora-alpha", "16"])
+    assert budget.count_parameters(config, args) == (TINY_PARAMETERS, TINY_LORA)
+    assert budget.projections(config) == TINY_PROJECTIONS
+    assert budget.kv_bytes(config, 2) == 2 * 2 * 32 * 2  # keys and values, 2 layers, one head of 32, bf16
+
+
+def test_the_training_flops_are_counted_by_hand():
+    import budget
+
+    # 2 rows: student prompts 10, teacher prompts 20, answers 6 tokens (16 and 26 in all); r 8; bf16; 4 GPUs
+    parts = budget.train_work(tiny_qwen3_config(), TINY_LORA, 2, 2, (10, 20, 6), lora_r=8, teacher_lora=False,
+                              checkpointing=True, gpus=4)
+    token = 2 * TINY_PROJECTIONS  # 2 FLOPs a weight, every token
+
+    def attention(T):  # scores and values of T x T, both 2 x 64 FLOPs a pair (2 query heads of 32), 2 layers
+        return 2 * (2 * 64 * T * T) * 2
+
+    lm_head = 12 * (2 * 512 * 64)  # the 12 answer positions' logits
+    lora = 2 * TINY_LORA  # float32 FLOPs a token
+    assert parts["teacher forward"]["flops"] == 2 * (26 * token + attention(26)) + lm_head
+    assert parts["teacher forward"]["float32_flops"] == 0  # the base teacher: LoRA off
+    assert parts["student forward"]["flops"] == 2 * (16 * token + attention(16)) + lm_head
+    assert parts["student forward"]["float32_flops"] == 2 * 16 * lora
+    # the recompute: the student's forward again, less each layer's last LoRA product (down's B u: 2 x 8 x 64)
+    assert parts["recompute"]["flops"] == 2 * (16 * token + attention(16))
+    assert parts["recompute"]["float32_flops"] == 2 * 16 * (lora - 2 * (2 * 8 * 64))
+    # the backward: input gradients (a forward's worth), attention's five products to its forward's two, the
+    # lm_head's input gradient; the LoRA's gradients of A, B and its input, twice its forward
+    assert parts["backward"]["flops"] == 2 * (16 * token + 2.5 * attention(16)) + lm_head
+    assert parts["backward"]["float32_flops"] == 2 * 16 * 2 * lora
+    # bytes: the loss's 8 float32 copies and the two bf16 logits of each of the 12 positions, written and read;
+    # AdamW, the all-reduce's copies and the clip, 14 float32 passes; a ring all-reduce sends 2 x 3/4 of the gradient
+    assert parts["loss"]["moved"] == 12 * 512 * 2 * (8 * 4 + 2 * 2)
+    assert parts["update"]["moved"] == 14 * 4 * TINY_LORA
+    assert parts["update"]["link"] == 2 * 3 / 4 * 4 * TINY_LORA
+    assert parts["loss"]["flops"] == parts["update"]["flops"] == 0
+    # without checkpointing no recompute, and the first layer's q, k and v take no input gradient (base and LoRA)
+    off = budget.train_work(tiny_qwen3_config(), TINY_LORA, 2, 2, (10, 20, 6), lora_r=8, teacher_lora=True,
+                            checkpointing=False, gpus=1)
+    assert off["recompute"]["flops"] == off["recompute"]["float32_flops"] == 0
+    assert off["backward"]["flops"] == 2 * (16 * (token - 2 * 64 * (64 + 32 + 32)) + 2.5 * attention(16)) + lm_head
+    assert off["backward"]["float32_flops"] == 2 * 16 * (2 * lora - 3 * 2 * 8 * 64)
+    assert off["teacher forward"]["float32_flops"] == 2 * 26 * lora  # --teacher current: the LoRA runs
+    assert off["update"]["link"] == 0
+
+
+def test_sampling_pushing_and_eval_are_counted_by_hand():
+    import budget
+
+    config = tiny_qwen3_config()
+    kv = 2 * 2 * 32 * 2  # bytes of a token's keys and values
+    # 2 answers of 6 tokens to prompts of 10, in 8 decode steps: each step reads every weight (tied: the embedding
+    # is the lm_head); answer token t reads 10 + t cached tokens; the prefill is 2 FLOPs a weight a prompt token
+    sample = budget.sample_work(config, TINY_PARAMETERS, 2, 2, 10, 6, 8)
+    assert sample["moved"] == 8 * TINY_PARAMETERS * 2 + 2 * (10 + 11 + 12 + 13 + 14 + 15) * kv
+    assert sample["flops"] == 2 * TINY_PARAMETERS * 2 * 10 and sample["decode_steps"] == 8
+
+    # the push, a merged weight in bf16: two merges of 2 + 4 | 4 | 4 + 4 | 8 + 4 | 4 + 2 bytes; the load 2 + 2;
+    # the read-back GEMM reads W and writes W^T, 2 + 2; two fingerprints of 2 + 2 | 2 + 8 | 8 | 8 x 3 | 8 + 8 |
+    # 16 + 8 bytes; the engine's transposed copy 2 + 2
+    per_weight = 2 * 36 + 4 + 4 + 2 * 86 + 4
+    # vLLM's stacked layers (in, out): qkv (64, 128), o (64, 64), gate_up (64, 256), down (128, 64); an identity of
+    # in x in for each, written and read in bf16; the GEMM 2 x in x in x out
+    eye = 2 * (64 * 64 + 64 * 64 + 64 * 64 + 128 * 128) * 2 * 2
+    gemm = 2 * 2 * (64 * 64 * 128 + 64 * 64 * 64 + 64 * 64 * 256 + 128 * 128 * 64)
+    push = budget.push_work(config, 2, 8)
+    assert push["moved"] == TINY_PROJECTIONS * per_weight + eye
+    assert push["flops"] == gemm
+    assert push["float32_flops"] == 2 * (2 * 8 * TINY_PROJECTIONS)  # two merges' B A, 2 r FLOPs a weight
+
+    # eval: 5 problems x 3 samples on 2 GPUs, one engine each: 8 answers an engine (15 split evenly, rounded up),
+    # all at once; 6 tokens each after prompts of 10, in 6 decode steps
+    done, at_once, holds = budget.eval_work(config, TINY_PARAMETERS, 2, problems=5, samples=15, prompt=10, answer=6,
+                                            gpus=2, tensor_parallel=1, memory=4 * 2**30)
+    assert holds == (4 * 2**30 - TINY_PARAMETERS * 2 - 2 * 2**30) // kv
+    assert at_once == 8 and done["decode_steps"] == 6
+    assert done["moved"] == 6 * TINY_PARAMETERS * 2 + 8 * (10 + 11 + 12 + 13 + 14 + 15) * kv
+    assert done["flops"] == 2 * TINY_PARAMETERS * 3 * 10  # one prompt a problem (prefix caching): 3 of 5 problems
+    # one engine over both GPUs: each holds half the weights and half of every token's keys and values
+    done, at_once, holds = budget.eval_work(config, TINY_PARAMETERS, 2, problems=5, samples=15, prompt=10, answer=6,
+                                            gpus=2, tensor_parallel=2, memory=4 * 2**30)
+    assert at_once == 15 and done["decode_steps"] == 6
+    assert done["moved"] == 6 * TINY_PARAMETERS + 15 * (10 + 11 + 12 + 13 + 14 + 15) * kv / 2
+
+
+def test_time_is_work_at_the_datasheet_peaks_and_at_the_stated_shares():
+    import budget
+
+    h100 = budget.GPUS["h100"]  # NVIDIA's H100 SXM datasheet, dense: 989 TFLOP/s bf16, 67 float32, 3.35 TB/s
+    assert (h100["bf16"], h100["float32"], h100["bandwidth"]) == (989e12, 67e12, 3.35e12)
+    assert (budget.GPUS["h200"]["bf16"], budget.GPUS["h200"]["bandwidth"]) == (989e12, 4.8e12)
+    done = budget.work(flops=989e12, float32_flops=67e12, moved=3.35e12, link=450e9, decode_steps=1000)
+    assert budget.seconds(done, h100, 2) == pytest.approx(4.0)  # a second each, one after another
+    assert budget.seconds(done, h100, 2, 0.5, 0.25, 0.002) == pytest.approx(2 + 2 + 4 + 4 + 2)
+    assert budget.seconds(budget.work(flops=67e12), h100, 4) == pytest.approx(1.0)  # a float32 model's GEMMs
+    names = ("NVIDIA H100 80GB HBM3", "NVIDIA H100 PCIe", "NVIDIA H200", "NVIDIA H100 NVL", "NVIDIA A100-SXM4-80GB")
+    assert [budget.gpu_key(n) for n in names] == ["h100", "h100-pcie", "h200", None, None]
+
+
+# torch's FlopCounterMode counts every matmul a run dispatches; its SDPA formulas (the whole T x T square, and five
+# products in the backward) are registered for CUDA's kernels, and here also for the CPU's
+FLOPS = """
+import json, sys, torch
+sys.path[:0] = [{root!r}, {gpu_check!r}]
+import opsd, gpu_check
+from torch.utils.flop_counter import FlopCounterMode, sdpa_flop_count, sdpa_backward_flop_count
+aten = torch.ops.aten
+def forward(q, k, v, *a, out_shape=None, **kw):
+    return sdpa_flop_count(q, k, v)
+def backward(grad, q, k, v, *a, out_shape=None, **kw):
+    return sdpa_backward_flop_count(grad, q, k, v)
+cpu = {{aten._scaled_dot_product_flash_attention_for_cpu: forward,
+        aten._scaled_dot_product_flash_attention_for_cpu_backward: backward}}
+counted = []
+for case in json.loads(sys.argv[1]):
+    model = gpu_check.build_model(gpu_check.SIZES["smoke"], torch.device("cpu"))
+    params = opsd.add_lora(model, 8, 16.0, seed=0)
+    if case["checkpointing"]:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={{"use_reentrant": False}})
+    model.train()
+    g = torch.Generator().manual_seed(0)
+    ids = lambda n: [torch.randint(1, 512, (n,), generator=g).tolist() for _ in range(case["rows"])]
+    student, teacher, answers = ids(case["prompt"]), ids(case["teacher_prompt"]), ids(case["answer"])
+    with FlopCounterMode(display=False, custom_mapping=cpu) as counter:
+        opsd.backward_step(model, params, student, teacher, answers, pad_id=0, micro_batch_size=case["micro_batch"],
+                           teacher=case["teacher"], temperature=1.1, clip="token", tau=0.05, chunk_size=4)
+    counted.append(counter.get_total_flops())
+print(json.dumps(counted))
+"""
+
+
+def test_the_training_flops_are_what_torch_counts_in_backward_step(tmp_path):
+    import budget
+
+    cases = [dict(rows=2, micro_batch=2, prompt=10, teacher_prompt=20, answer=6, checkpointing=True, teacher="base"),
+             dict(rows=3, micro_batch=1, prompt=7, teacher_prompt=15, answer=9, checkpointing=False,
+                  teacher="current")]
+    script = tmp_path / "flops.py"
+    script.write_text(FLOPS.format(root=str(ROOT), gpu_check=str(ROOT / "tests" / "gpu_check")))
+    proc = subprocess.run([sys.executable, str(script), json.dumps(cases)], capture_output=True, text=True,
+                          timeout=300, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    counted = json.loads(proc.stdout.strip().splitlines()[-1])
+    for case, flops in zip(cases, counted):  # rows of one length each: no pads, so the padded mean is exact
+        parts = budget.train_work(tiny_qwen3_config(), TINY_LORA, 2, case["rows"],
+                                  (case["prompt"], case["teacher_prompt"], case["answer"]), lora_r=8,
+                                  teacher_lora=case["teacher"] != "base", checkpointing=case["checkpointing"], gpus=1)
+        done = budget.total(parts.values())
+        assert done["flops"] + done["float32_flops"] == flops, (case, flops)
+
+
+def budget_lines(capsys, argv):
+    import budget
+
+    assert budget.main(argv) == 0
+    return capsys.readouterr().out.splitlines()
+
+
+def seconds_of(line):
+    """The lower bound and the expected seconds at a table line's end: '... 1.27 s 3.37 s'."""
+    words = line.split()
+    return float(words[-4]), float(words[-2])
+
+
+def test_the_budget_prints_the_hours_of_the_recommended_command(capsys):
+    configs = ROOT / "tests" / "gpu_check" / "configs"
+    recommended = ["--clip", "token", "--skip-first-tokens", "1"]
+    lines = budget_lines(capsys, ["--config", str(configs / "Qwen3-1.7B.json"), "--", *recommended])
+    text = "\n".join(lines)
+    assert "Time on 4 x H100 SXM 80 GB: estimates, not measurements" in text
+    assert "989 TFLOP/s bf16, 67 TFLOP/s float32, 3.35 TB/s memory" in text
+    # each assumption beside its figure and the flag that changes it
+    for said in ("answers of 1,024 tokens on average (--answer-tokens",
+                 "student prompts of 256 tokens (--prompt-tokens)",
+                 "the teacher's 2,048", "(--teacher-prompt-tokens; default --max-prompt-length)",
+                 "35% of peak FLOP/s (--flops-utilisation)", "70% of peak bandwidth (--bandwidth-utilisation)",
+                 "1.5 ms a decode step", "(--decode-step-ms)", "3 min to start (--startup-minutes)"):
+        assert said in text, said
+    row = {line.split()[0]: line for line in lines if line.endswith(" s")}
+    # sampling's lower bound by hand: 8 answers a rank of 1,024 tokens after prompts of 256, in 1,024 decode steps,
+    # each reading the 1.72B weights in bf16 (tied: the embedding is the lm_head); a token's keys and values are
+    # 2 x 28 layers x 8 heads x 128 x 2 bytes; the prefill 2 FLOPs a weight a prompt token
+    weights = 1024 * 1_720_574_976 * 2
+    cache = 8 * (1024 * 256 + 1024 * 1023 // 2) * (2 * 28 * 8 * 128 * 2)
+    prefill = 2 * 1_720_574_976 * 8 * 256
+    assert seconds_of(row["sample"])[0] == pytest.approx((weights + cache) / 3.35e12 + prefill / 989e12, abs=0.005)
+    lower, expected = seconds_of(row["step"])
+    parts = ("sample", "teacher", "student", "recompute", "backward", "loss", "update", "push")
+    assert sum(seconds_of(row[p])[1] for p in parts) == pytest.approx(expected, abs=0.05)
+    assert 0 < lower < expected
+    (ratio,) = [line for line in lines if "the released recipe's ~9 s" in line]
+    assert float(ratio.split()[-1]) == pytest.approx(expected / 9, abs=0.006)
+    (run,) = [line for line in lines if "run of 100 steps" in line]
+    hours = float(run.split("expected ")[1].split(" h")[0])
+    assert hours == pytest.approx((100 * expected + 3 * 60) / 3600, abs=0.006)  # 100 steps and 3 minutes to start
+    gpu_hours = float(run.split(", ")[-1].split()[0])
+    assert gpu_hours == pytest.approx(4 * hours, abs=0.02)
+
+    # an H200 has the same peak FLOP/s and 4.8 / 3.35 of the bandwidth: its sampling, bound by bandwidth, is faster
+    lines = budget_lines(capsys, ["--gpu", "h200", "--config", str(configs / "Qwen3-1.7B.json"), "--", *recommended])
+    h200 = {line.split()[0]: line for line in lines if line.endswith(" s")}
+    assert seconds_of(h200["sample"])[0] == pytest.approx(
+        (weights + cache) / 4.8e12 + prefill / 989e12, abs=0.005)
+    assert seconds_of(h200["teacher"]) == seconds_of(row["teacher"])
+    assert "141 GiB per GPU" in "\n".join(lines)  # the H200's memory for the memory budget
+
+
+def test_the_budget_prints_the_hours_of_an_evaluation(capsys, tmp_path):
+    configs = ROOT / "tests" / "gpu_check" / "configs"
+    lines = budget_lines(capsys, ["--eval", "--config", str(configs / "Qwen3-1.7B.json")])
+    text = "\n".join(lines)
+    assert "90 problems (aime24 30, aime25 30, hmmt25 30) x 12 samples = 1,080 answers" in text
+    assert "answers of 16,000 tokens on average (--answer-tokens" in text and "mean_tokens" in text
+    assert "every answer at --max-new-tokens 38,912" in text
+    (one,) = [line for line in lines if "one checkpoint:" in line]
+    (longest,) = [line for line in lines if "every answer at" in line]
+    assert float(longest.split("lower bound ")[1].split()[0]) > float(one.split("lower bound ")[1].split()[0])
+    # a local benchmark is counted by its rows
+    data = ROOT / "tests" / "data" / "eval_tiny.jsonl"
+    rows = sum(1 for line in data.read_text().splitlines() if line.strip())
+    lines = budget_lines(capsys, ["--eval", "--config", str(configs / "Qwen3-1.7B.json"), "--answer-tokens", "500",
+                                  "--", "--data", f"tiny={data}", "--n", "3", "--tensor-parallel-size", "2"])
+    text = "\n".join(lines)
+    assert f"{rows} problems (tiny {rows}) x 3 samples = {3 * rows:,} answers" in text
+    assert "engines: 2 (--gpus / --tensor-parallel-size 2)" in text
+
+
+@pytest.mark.parametrize("argv, said", [
+    (["--gpu", "a100"], "argument --gpu: invalid choice: 'a100'"),
+    (["--gpus", "3"], "--prompts-per-step 32 must be divisible by --gpus x --micro-batch-size = 3 x 4."),
+    (["--answer-tokens", "2000"], "--answer-tokens 2000 cannot exceed --max-new-tokens 1024."),
+    (["--flops-utilisation", "0"], "argument --flops-utilisation: must be in (0, 1], got 0"),
+    (["--eval", "--gpus", "3", "--", "--tensor-parallel-size", "2"],
+     "--gpus 3 must be a multiple of --tensor-parallel-size 2."),
+    (["--eval", "--answer-tokens", "40000"], "--answer-tokens 40000 cannot exceed eval.py's --max-new-tokens 38912."),
+])
+def test_the_budget_refuses_bad_input_in_one_sentence(capsys, argv, said):
+    import budget
+
+    with pytest.raises(SystemExit) as stop:
+        budget.main(argv)
+    assert stop.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith(f"budget.py: error: {said}"), err
+
+
+def test_the_gpu_check_step_records_budget_time_beside_its_own(smoke):
+    _, out = smoke
+    r = json.loads(out.read_text())
+    step, t = r["step"], r["step"]["budget_time"]
+    # the smoke step by hand: the tiny Qwen3, 2 rows of 32 + 96 tokens for both student and teacher (128 each), 192
+    # answer positions, LoRA r 8, gradient checkpointing on, the base teacher
+    token, lora = 2 * TINY_PROJECTIONS, 2 * TINY_LORA
+    attention = 2 * (2 * 64 * 128 * 128) * 2  # one row's, 2 layers
+    forward = 2 * (128 * token + attention)
+    lm_head = 192 * 2 * 512 * 64
+    assert t["flops"] == (forward + lm_head) * 2 + forward + 2 * (128 * token + 2.5 * attention) + lm_head
+    assert t["float32_flops"] == 2 * 128 * (lora + (lora - 2 * 2 * 8 * 64) + 2 * lora)
+    assert t["measured_s"] == step["seconds"] and t["lower_bound_s"] < t["expected_s"]
+    if r["device"] == "cpu":  # not a GPU of the table: timed on its H100, compared with nothing
+        assert t["gpu"] is None and t["timed_on"] == "H100 SXM 80 GB"
+        assert t["measured_over_expected"] is None and t["matching_flops_utilisation"] is None
+    else:
+        assert t["measured_over_expected"] == pytest.approx(t["measured_s"] / t["expected_s"])

@@ -18,7 +18,8 @@ timings, go to stderr. Exit code 0 when every part ran and passed, 1 otherwise, 
 - "step": one optimizer step through the real training path (opsd.add_lora, the teacher's and the
   student's forwards, the chunked loss, gradient checkpointing: opsd.backward_step in a world of one,
   the gradient clip and AdamW) on a randomly initialised Qwen3-1.7B, micro-batch 4, prompt 1,024 +
-  answer 4,096 tokens. peak_mib: the peak CUDA memory allocated during the step, model included.
+  answer 4,096 tokens. peak_mib: the peak CUDA memory allocated during the step, model included. budget_time:
+  budget.py's lower bound and expected time for the same step on this GPU, beside the measured seconds.
 - "resume_roundtrip": a checkpoint written by opsd.save_run_state and read by opsd.restore gives back
   bitwise the LoRA weights, the optimizer state and the step; restoring leaves the torch CPU and CUDA
   RNG states as they were (opsd saves none: data order and sampling seeds are functions of (seed,
@@ -349,9 +350,22 @@ def check_step(s, device):
     out["peak_mib"] = torch.cuda.max_memory_allocated(device) / MIB if device.type == "cuda" else None
     out["finite"] = math.isfinite(out["loss"]) and math.isfinite(out["grad_norm"])
     out["budget_mib"] = budget_mib(s, model, lora_params)
+    out["budget_time"] = budget_time(s, model, lora_params, out["seconds"], device)
     log(f"step: second step {out['seconds']:.2f} s, peak {out['peak_mib']} MiB (model {out['model_mib']} MiB; "
         f"budget.py's estimate {out['budget_mib']:.0f} MiB), loss {out['loss']:.4f}")
+    t = out["budget_time"]
+    log(f"step: budget.py's time on {t['timed_on']}: lower bound {t['lower_bound_s']:.2f} s, expected "
+        f"{t['expected_s']:.2f} s at {t['flops_utilisation']:.0%} of peak FLOP/s; measured / expected "
+        f"{t['measured_over_expected']}, the utilisation that matches {t['matching_flops_utilisation']}")
     return {"step": out}
+
+
+def step_args(s):
+    """opsd.py's flags for this step's sizes: one micro-batch, a world of one."""
+    return opsd.parse_args(["--dtype", str(s["dtype"])[6:], "--micro-batch-size", str(s["micro_batch"]),
+                            "--prompts-per-step", str(s["micro_batch"]), "--max-prompt-length", str(s["prompt_tokens"]),
+                            "--max-new-tokens", str(s["completion_tokens"]), "--lora-r", str(s["lora_r"]),
+                            "--lora-alpha", str(s["lora_alpha"]), "--loss-chunk-size", str(s["chunk_size"])])
 
 
 def budget_mib(s, model, lora_params):
@@ -359,13 +373,42 @@ def budget_mib(s, model, lora_params):
     to stand beside the peak measured on CUDA."""
     import budget
 
-    args = opsd.parse_args(["--dtype", str(s["dtype"])[6:], "--micro-batch-size", str(s["micro_batch"]),
-                            "--prompts-per-step", str(s["micro_batch"]), "--max-prompt-length", str(s["prompt_tokens"]),
-                            "--max-new-tokens", str(s["completion_tokens"]), "--lora-r", str(s["lora_r"]),
-                            "--lora-alpha", str(s["lora_alpha"]), "--loss-chunk-size", str(s["chunk_size"])])
     lora = sum(p.numel() for p in lora_params)
-    parts = budget.trainer_bytes(model.config, args, sum(p.numel() for p in model.parameters()) - lora, lora)
+    parts = budget.trainer_bytes(model.config, step_args(s), sum(p.numel() for p in model.parameters()) - lora, lora)
     return sum(parts.values()) / MIB
+
+
+def budget_time(s, model, lora_params, measured, device):
+    """budget.py's time for this step (its training parts: the base teacher's forward, the student's, the recompute,
+    the backward, the loss, AdamW; no sampling, no push) beside the measured seconds, so that the first GPU
+    calibrates it. Timed on this GPU's row of budget.GPUS; a device not in that table (a CPU) is timed on the table's
+    H100 and compared with nothing. matching_flops_utilisation: the --flops-utilisation at which the expected time
+    equals the measured one, the bytes' share held at budget.py's default."""
+    import budget
+
+    b = 2 if s["dtype"] == torch.bfloat16 else 4
+    # the teacher's prompts as long as the student's (random_batch)
+    lengths = (s["prompt_tokens"], s["prompt_tokens"], s["completion_tokens"])
+    parts = budget.train_work(model.config, sum(p.numel() for p in lora_params), b, s["micro_batch"], lengths,
+                              lora_r=s["lora_r"], teacher_lora=False, checkpointing=True, gpus=1)
+    done = budget.total(parts.values())
+    key = None
+    if device.type == "cuda":
+        key = budget.gpu_key(torch.cuda.get_device_name(device))
+    gpu = budget.GPUS[key or "h100"]
+    shares = (budget.FLOPS_UTILISATION, budget.BANDWIDTH_UTILISATION)
+    lower, expected = budget.seconds(done, gpu, b), budget.seconds(done, gpu, b, *shares)
+    out = {"gpu": key, "timed_on": gpu["name"], "flops": done["flops"], "float32_flops": done["float32_flops"],
+           "moved_bytes": done["moved"], "lower_bound_s": lower, "expected_s": expected,
+           "flops_utilisation": shares[0], "bandwidth_utilisation": shares[1], "measured_s": measured,
+           "measured_over_expected": None, "matching_flops_utilisation": None}
+    bytes_s = budget.seconds(budget.work(moved=done["moved"]), gpu, b, *shares)
+    if key is not None:
+        out["measured_over_expected"] = measured / expected
+        flops_at_peak = lower - budget.seconds(budget.work(moved=done["moved"]), gpu, b)
+        if measured > bytes_s:
+            out["matching_flops_utilisation"] = flops_at_peak / (measured - bytes_s)
+    return out
 
 
 # -----------------------------------------------------------------------------

@@ -1,0 +1,499 @@
+# python -m pytest tests/test_verify.py -q
+"""The kit for verifying another implementation (tests/verify/): its fixture, recomputed through opsd.py's own
+float32 functions; its verifier, run on ports written here from the method's description, one correct (all
+match) and one for each defect the verifier names (each named, and no other); check 2's batch invariants."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import opsd
+
+VERIFY = Path(__file__).resolve().parent / "verify"
+sys.path.insert(0, str(VERIFY))
+import verify  # noqa: E402
+
+FIXTURE = json.loads((VERIFY / "fixture.json").read_text())
+ROWS = FIXTURE["rows"]
+MODEL = verify.ROOT / FIXTURE["model"]
+MB = FIXTURE["micro_batch_size"]
+
+
+@pytest.fixture(scope="module")
+def reference():
+    return verify.Reference.from_fixture()
+
+
+@pytest.fixture(scope="module")
+def model():
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(MODEL, dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(MODEL)
+
+
+# -----------------------------------------------------------------------------
+# The fixture
+
+
+def test_the_fixture_speaks_a_peers_language(tokenizer):
+    """Each row's strings give its ids (the template flags as stated), opsd.py renders the same ids from the
+    problem and reference, the completion is its ids decoded, and the model is the one the figures came from."""
+    assert FIXTURE["model_sha256_16"] == verify.sha16(MODEL / "model.safetensors")
+    for r in ROWS:
+        for side, message in (("student", opsd.eval_message(r["problem"])),
+                              ("teacher", opsd.teacher_message(r["problem"], r["reference"]))):
+            assert r[f"{side}_message"] == message
+            chat = [{"role": "user", "content": message}]
+            assert tokenizer.apply_chat_template(chat, tokenize=False, **r[f"{side}_template"]) == r[f"{side}_prompt"]
+            assert tokenizer.encode(r[f"{side}_prompt"], add_special_tokens=False) == r[f"{side}_prompt_ids"]
+        assert opsd.render(tokenizer, r["student_message"], thinking=False) == r["student_prompt_ids"]
+        assert opsd.render(tokenizer, r["teacher_message"], thinking=True) == r["teacher_prompt_ids"]
+        assert tokenizer.decode(r["completion_ids"]) == r["completion"]
+        assert r["completion_ids"][-1] == tokenizer.eos_token_id  # every answer ended; none was cut off
+        assert r["problem"] in r["student_prompt"] and r["reference"] in r["teacher_prompt"]
+
+
+def test_prompt_lengths_differ_within_every_micro_batch_on_both_sides():
+    """A right-padding defect shows on either side, and the rows tell which: some rows are shorter than
+    their micro-batch's longest prompt on one side only, each way."""
+    shorter = {}
+    for side in verify.SIDES:
+        lengths = [len(r[f"{side}_prompt_ids"]) for r in ROWS]
+        groups = [lengths[k:k + MB] for k in range(0, len(ROWS), MB)]
+        assert all(len(set(g)) > 1 for g in groups), (side, groups)
+        assert groups == FIXTURE["prompt_lengths"][side]
+        shorter[side] = {i for i, n in enumerate(lengths) if n < max(groups[i // MB])}
+        assert sorted(shorter[side]) == FIXTURE["shorter_than_longest"][side]
+    assert shorter["student"] - shorter["teacher"] and shorter["teacher"] - shorter["student"]
+    assert [r["micro_batch"] for r in ROWS] == [i // MB for i in range(len(ROWS))]
+    assert len({len(r["completion_ids"]) for r in ROWS}) > 3  # answers of several lengths
+
+
+def test_normalisations_are_told_apart_at_every_setting():
+    """The loss under the step's token mean, per micro-batch and per answer differ by far more than the
+    verifier's tolerance at every setting and clip, so a peer's normalisation is identified."""
+    for name, figures in FIXTURE["expected"].items():
+        for clip in verify.CLIPS:
+            values = [figures[clip][k] for k in ("loss", "loss_per_micro_batch", "loss_per_answer")]
+            gaps = [abs(a - b) / b for i, a in enumerate(values) for b in values[i + 1:]]
+            assert min(gaps) > 20 * verify.TOL_LOSS, (name, clip, values)
+
+
+@torch.no_grad()
+def test_opsd_reproduces_the_fixture(model):
+    """opsd.py's own float32 path (build_batch in micro-batches of 4, final_hidden, opsd_loss with the step's
+    token count, its diagnostics) gives every setting's loss per clip, kl_mean and kl_first_token, and every
+    per-position figure, of the float64 fixture."""
+    pad = model.config.pad_token_id
+    completions = [r["completion_ids"] for r in ROWS]
+    hidden = []  # per micro-batch: (student hidden, student mask, teacher hidden, teacher mask)
+    for first in range(0, len(ROWS), MB):
+        rows = ROWS[first:first + MB]
+        sides = [opsd.build_batch([r[f"{s}_prompt_ids"] for r in rows], completions[first:first + MB], pad, "cpu")
+                 for s in verify.SIDES]
+        (si, sm), (ti, tm) = sides
+        hidden.append((opsd.final_hidden(model, si)[:, :-1], sm[:, 1:], opsd.final_hidden(model, ti)[:, :-1],
+                       tm[:, 1:], si["input_ids"][:, 1:][sm[:, 1:]]))
+    W = model.get_output_embeddings().weight
+    for name, s in FIXTURE["settings"].items():
+        skip = s["skip_first_tokens"]
+        count = sum(max(0, len(c) - skip) for c in completions)
+        expected = FIXTURE["expected"][name]
+        for clip in verify.CLIPS:
+            loss, kl, first_kl = 0.0, [], []
+            for k, (hs, sm, ht, tm, targets) in enumerate(hidden):
+                keep = torch.tensor([j >= skip for c in completions[k * MB:(k + 1) * MB] for j in range(len(c))])
+                part, stats = opsd.opsd_loss(hs, sm, ht, tm, W, count, targets, loss_positions=keep, beta=s["beta"],
+                                             temperature=s["temperature"], clip=clip, tau=s["tau"])
+                loss += part.item()
+                kl.append(stats.kl)
+            assert loss == pytest.approx(expected[clip]["loss"], rel=1e-5), (name, clip)
+        kl = torch.cat(kl)
+        starts = torch.tensor([0] + [len(c) for c in completions[:-1]]).cumsum(0)
+        assert kl.mean().item() == pytest.approx(expected["kl_mean"], rel=1e-5)
+        assert kl[starts].mean().item() == pytest.approx(expected["kl_first_token"], rel=1e-5)
+    # per position, through opsd.token_divergence from the logits of the same batches
+    for name, s in FIXTURE["settings"].items():
+        per_position = {c: [] for c in verify.CLIPS}
+        for hs, sm, ht, tm, _ in hidden:
+            for clip in verify.CLIPS:
+                per_position[clip].append(opsd.token_divergence(hs[sm] @ W.T, ht[tm] @ W.T, beta=s["beta"],
+                                                                temperature=s["temperature"], clip=clip,
+                                                                tau=s["tau"]))
+        for clip in verify.CLIPS:
+            ours = torch.cat(per_position[clip]).double()
+            fixture = torch.tensor([v for r in ROWS for v in r["figures"][s["figures"]][clip]], dtype=torch.float64)
+            torch.testing.assert_close(ours, fixture, rtol=1e-4, atol=1e-5)
+
+
+# -----------------------------------------------------------------------------
+# Ports, written here from the method's description; each defect a port that changes one piece
+
+
+def forward_kl_and_friends(log_s, log_t, beta):
+    """Per-entry terms of the divergence, from the description: forward KL at beta 0, reverse at 1, else the
+    generalised JSD through the mixture beta p_T + (1 - beta) p_S."""
+    p_s, p_t = log_s.exp(), log_t.exp()
+    if beta == 0:
+        return p_t * (log_t - log_s)
+    if beta == 1:
+        return p_s * (log_s - log_t)
+    log_m = torch.log(beta * p_t + (1 - beta) * p_s)
+    return beta * p_t * (log_t - log_m) + (1 - beta) * p_s * (log_s - log_m)
+
+
+class Port:
+    """A correct port: micro-batches of 4 consecutive rows, prompt and answer padded on the LEFT (a harmless
+    difference from opsd.py), position ids counted over the real tokens, the temperature on both sides, the
+    clip as asked, the loss over the step's answer tokens. float32."""
+
+    def batch(self, prompts, completions, pad):
+        """input_ids, attention_mask, position_ids, answer_mask and scored_mask (the outputs used), (B, T)."""
+        width = max(len(p) + len(c) for p, c in zip(prompts, completions))
+        ids = torch.full((len(prompts), width), pad)
+        mask = torch.zeros_like(ids)
+        answer = torch.zeros_like(ids, dtype=torch.bool)
+        for i, (p, c) in enumerate(zip(prompts, completions)):
+            ids[i, width - len(p) - len(c):] = torch.tensor(p + c)
+            mask[i, width - len(p) - len(c):] = 1
+            answer[i, width - len(c):] = True
+        positions = (mask.cumsum(-1) - 1).clamp(min=0)
+        scored = torch.zeros_like(answer)
+        scored[:, :-1] = answer[:, 1:]
+        return {"input_ids": ids, "attention_mask": mask, "position_ids": positions, "answer_mask": answer,
+                "scored_mask": scored}
+
+    def log_probs(self, logits, side, temperature):
+        return torch.log_softmax(logits / temperature, -1)
+
+    def divergence(self, log_s, log_t, beta, clip, tau):
+        d = forward_kl_and_friends(log_s, log_t, beta)
+        if clip == "entry":
+            d = d.clamp(max=tau)
+        k = d.sum(-1)
+        return k.clamp(max=tau) if clip == "token" else k
+
+    def loss(self, values, skip):
+        kept = [v[skip:] for v in values]
+        return sum(v.sum() for v in kept) / sum(len(v) for v in kept)
+
+    normalisation = "step"
+
+    def prompt_ids(self, row, side):
+        return row[f"{side}_prompt_ids"]
+
+    @torch.no_grad()
+    def run(self, model, setting, clip, pad):
+        """(per-row dump tensors, the loss, the batches)."""
+        s = FIXTURE["settings"][setting]
+        rows, batches = {}, {}
+        for k, first in enumerate(range(0, len(ROWS), MB)):
+            group = ROWS[first:first + MB]
+            completions = [r["completion_ids"] for r in group]
+            for side in verify.SIDES:
+                prompts = [self.prompt_ids(r, side) for r in group]
+                b = self.batch(prompts, completions, pad)
+                batches[(k, side)] = b
+                logits = model(input_ids=b["input_ids"], attention_mask=b["attention_mask"],
+                               position_ids=b["position_ids"]).logits
+                for i in range(len(group)):
+                    lp = self.log_probs(logits[i][b["scored_mask"][i]], side, s["temperature"])
+                    rows.setdefault(first + i, {})[f"{side}_logprobs"] = lp
+                    rows[first + i][f"{side}_prompt_ids"] = torch.tensor(prompts[i])
+        for r in rows.values():
+            r["divergence"] = self.divergence(r["student_logprobs"], r["teacher_logprobs"], s["beta"], clip, s["tau"])
+        loss = self.loss([rows[i]["divergence"] for i in range(len(ROWS))], s["skip_first_tokens"])
+        return rows, float(loss), batches
+
+
+class TeacherWithoutTemperature(Port):
+    """(a) The loss temperature divides the student's logits only."""
+
+    def log_probs(self, logits, side, temperature):
+        return torch.log_softmax(logits / (temperature if side == "student" else 1.0), -1)
+
+
+class StudentWithoutTemperature(Port):
+    """(a) The loss temperature divides the teacher's logits only."""
+
+    def log_probs(self, logits, side, temperature):
+        return torch.log_softmax(logits / (temperature if side == "teacher" else 1.0), -1)
+
+
+class ClipAfterTheSum(Port):
+    """(b) Asked for the entry clip, it clips the position's sum (what the token clip does)."""
+
+    def divergence(self, log_s, log_t, beta, clip, tau):
+        return super().divergence(log_s, log_t, beta, "token" if clip == "entry" else clip, tau)
+
+
+class ClipBeforeTheSum(Port):
+    """(b) Asked for the token clip, it clips each vocabulary entry's term (what the entry clip does)."""
+
+    def divergence(self, log_s, log_t, beta, clip, tau):
+        return super().divergence(log_s, log_t, beta, "entry" if clip == "token" else clip, tau)
+
+
+class PerMicroBatch(Port):
+    """(c) Each micro-batch's loss is its own token mean; the step's loss their mean (gradient accumulation
+    dividing by the number of micro-batches)."""
+
+    normalisation = "micro-batch"
+
+    def loss(self, values, skip):
+        means = [sum(v[skip:].sum() for v in values[k:k + MB]) / sum(len(v[skip:]) for v in values[k:k + MB])
+                 for k in range(0, len(values), MB)]
+        return sum(means) / len(means)
+
+
+class PerAnswer(Port):
+    """(c) The loss is the mean over answers of each answer's token mean."""
+
+    normalisation = "answer"
+
+    def loss(self, values, skip):
+        return sum(v[skip:].mean() for v in values) / len(values)
+
+
+class PromptsPaddedOnTheRight(Port):
+    """(d) Each prompt padded on the right to the micro-batch's longest, the answers after the pads, and the
+    answers' logits taken from the micro-batch's prompt length on; position ids not passed (the model counts
+    0, 1, ... over the pads). Used on the sides named."""
+
+    def __init__(self, sides=("student", "teacher"), positions_from_mask=False):
+        self.sides, self.positions_from_mask = sides, positions_from_mask
+        self.side = None
+
+    def batch(self, prompts, completions, pad):
+        width = max(map(len, prompts))
+        total = width + max(map(len, completions))
+        ids = torch.full((len(prompts), total), pad)
+        mask = torch.zeros_like(ids)
+        answer = torch.zeros_like(ids, dtype=torch.bool)
+        for i, (p, c) in enumerate(zip(prompts, completions)):
+            ids[i, :len(p)] = torch.tensor(p)
+            ids[i, width:width + len(c)] = torch.tensor(c)
+            mask[i, :len(p)] = 1
+            mask[i, width:width + len(c)] = 1
+            answer[i, width:width + len(c)] = True
+        positions = torch.arange(total).expand(len(prompts), total)
+        if self.positions_from_mask:
+            positions = (mask.cumsum(-1) - 1).clamp(min=0)
+        scored = torch.zeros_like(answer)
+        scored[:, :-1] = answer[:, 1:]  # from index width - 1: a pad's output in a shorter prompt's row
+        return {"input_ids": ids, "attention_mask": mask, "position_ids": positions, "answer_mask": answer,
+                "scored_mask": scored}
+
+    def run(self, model, setting, clip, pad):
+        rows, batches = {}, {}
+        for side in verify.SIDES:  # each side from the port that pads it, or from the correct one
+            maker = self if side in self.sides else Port()
+            side_rows, _, side_batches = Port.run(maker, model, setting, clip, pad)
+            for i, r in side_rows.items():
+                for name in (f"{side}_logprobs", f"{side}_prompt_ids"):
+                    rows.setdefault(i, {})[name] = r[name]
+            batches.update({key: b for key, b in side_batches.items() if key[1] == side})
+        s = FIXTURE["settings"][setting]
+        for r in rows.values():
+            r["divergence"] = self.divergence(r["student_logprobs"], r["teacher_logprobs"], s["beta"], clip, s["tau"])
+        loss = self.loss([rows[i]["divergence"] for i in range(len(ROWS))], s["skip_first_tokens"])
+        return rows, float(loss), batches
+
+
+class TeacherThinkingOff(Port):
+    """One set of chat-template flags for both sides: the teacher's prompt rendered with thinking off, as the
+    student's is."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+
+    def prompt_ids(self, row, side):
+        if side == "student":
+            return row["student_prompt_ids"]
+        chat = [{"role": "user", "content": row["teacher_message"]}]
+        return self.tokenizer.apply_chat_template(chat, add_generation_prompt=True, enable_thinking=False,
+                                                  tokenize=True, return_dict=False)
+
+
+class ShiftedByOne(Port):
+    """(e) The logits scored for answer token j are the output at answer token j itself (no shift by one);
+    with `late` -1, the output two tokens before it."""
+
+    def __init__(self, late=1):
+        self.late = late
+
+    def batch(self, prompts, completions, pad):
+        b = super().batch(prompts, completions, pad)
+        b["scored_mask"] = b["answer_mask"].clone()
+        if self.late == -1:
+            b["scored_mask"] = torch.zeros_like(b["answer_mask"])
+            b["scored_mask"][:, :-2] = b["answer_mask"][:, 2:]
+        return b
+
+
+def dump_of(port, model, tmp_path, setting="forward-T1.1", clip="entry",
+            keep=("logprobs", "divergence", "batch", "prompts"), name="dump"):
+    """The port's dump at a setting and clip, holding what `keep` names."""
+    rows, loss, batches = port.run(model, setting, clip, model.config.pad_token_id)
+    fields = {"logprobs": ("student_logprobs", "teacher_logprobs"), "divergence": ("divergence",),
+              "prompts": ("student_prompt_ids", "teacher_prompt_ids")}
+    kept = [f for k in keep if k in fields for f in fields[k]]
+    rows = {i: {f: r[f] for f in kept} for i, r in rows.items()}
+    path = tmp_path / f"{name}.safetensors"
+    verify.write_dump(path, setting=setting, clip=clip, rows=rows, loss=loss, normalisation=port.normalisation,
+                      batches=batches if "batch" in keep else None)
+    return path
+
+
+def run_verifier(path, reference):
+    dump = verify.read_dump(path)
+    checks = verify.verify(dump, reference)
+    report = verify.report(checks, dump, path)
+    return {c.name: c for c in checks}, set(verify.causes_of(checks)), report
+
+
+@pytest.mark.parametrize("setting", list(FIXTURE["settings"]))
+def test_a_correct_port_matches_at_every_setting_and_clip(model, reference, tmp_path, setting):
+    for clip in verify.CLIPS:
+        checks, causes, report = run_verifier(dump_of(Port(), model, tmp_path, setting, clip), reference)
+        assert causes == set(), report
+        assert all(c.status == "matches" for c in checks.values()), report
+
+
+DEFECTS = [  # (port, what it dumps, the causes the verifier must name: those and no other)
+    (TeacherWithoutTemperature(), ("logprobs", "divergence"), {"temperature:teacher"}),
+    (StudentWithoutTemperature(), ("logprobs", "divergence"), {"temperature:student"}),
+    (TeacherWithoutTemperature(), ("divergence",), {"temperature:teacher"}),
+    (StudentWithoutTemperature(), ("divergence",), {"temperature:student"}),
+    (ClipAfterTheSum(), ("logprobs", "divergence"), {"clip:token"}),
+    (ClipAfterTheSum(), ("divergence",), {"clip:token"}),
+    (PerMicroBatch(), ("logprobs", "divergence"), {"normalisation:micro-batch"}),
+    (PerAnswer(), ("divergence",), {"normalisation:answer"}),
+    (PerAnswer(), ("logprobs",), {"normalisation:answer"}),
+    (PromptsPaddedOnTheRight(("teacher",), positions_from_mask=True), ("logprobs", "divergence"),
+     {"pad-first:teacher"}),
+    (PromptsPaddedOnTheRight(("student",), positions_from_mask=True), ("divergence",), {"pad-first:student"}),
+    (PromptsPaddedOnTheRight(("teacher",), positions_from_mask=True), ("divergence",), {"pad-first:teacher"}),
+    (PromptsPaddedOnTheRight(), ("logprobs", "divergence"),
+     {"pad-first:student", "pad-first:teacher", "position-ids:student", "position-ids:teacher"}),
+    (ShiftedByOne(), ("logprobs", "divergence"), {"shift:+1"}),
+    (ShiftedByOne(), ("divergence",), {"shift:+1"}),
+    (ShiftedByOne(-1), ("logprobs", "divergence", "batch"), {"shift:-1"}),
+    (PromptsPaddedOnTheRight(), ("divergence", "batch"),
+     {"pad-first:student", "pad-first:teacher", "position-ids:student", "position-ids:teacher"}),
+]
+
+
+@pytest.mark.parametrize("port, keep, named", DEFECTS,
+                         ids=[f"{type(p).__name__}-{'+'.join(k)}" for p, k, _ in DEFECTS])
+def test_each_defect_is_named_and_no_other(model, reference, tmp_path, port, keep, named):
+    checks, causes, report = run_verifier(dump_of(port, model, tmp_path, keep=keep), reference)
+    assert causes == named, report
+    assert any(c.status == "differs" for c in checks.values()), report
+
+
+def test_the_token_clip_asked_and_entry_done_is_named(model, reference, tmp_path):
+    checks, causes, report = run_verifier(dump_of(ClipBeforeTheSum(), model, tmp_path, clip="token"), reference)
+    assert causes == {"clip:entry"}, report
+
+
+def test_a_skip_ignored_is_named(model, reference, tmp_path):
+    """At forward-T1.1-skip1, a port that keeps the first position in its loss."""
+
+    class NoSkip(Port):
+        def loss(self, values, skip):
+            return super().loss(values, 0)
+
+    checks, causes, report = run_verifier(dump_of(NoSkip(), model, tmp_path, "forward-T1.1-skip1"), reference)
+    assert causes == {"skip:ignored"}, report
+
+
+def test_a_teacher_prompt_with_the_students_flags_is_named(model, reference, tokenizer, tmp_path):
+    """Its dumped prompt ids differ from the fixture's where the thinking block starts; its teacher log-probs
+    differ at every position of every row, and the verifier says that side's prompt."""
+    port = TeacherThinkingOff(tokenizer)
+    checks, causes, report = run_verifier(dump_of(port, model, tmp_path, keep=("logprobs", "divergence", "prompts")),
+                                          reference)
+    assert causes == {"prompt:teacher"}, report
+    assert checks["prompts"].lines[0] == f"{len(ROWS)} of {2 * len(ROWS)} dumped prompts differ", report
+    assert checks["student log-probs"].status == "matches"
+    checks, causes, report = run_verifier(dump_of(port, model, tmp_path, keep=("logprobs",)), reference)
+    assert causes == {"prompt:teacher"}, report  # from the log-probs alone
+
+
+def test_the_report_localises_a_pad_predicted_first_position(model, reference, tmp_path):
+    """The report names the rows: exactly the teacher's shorter-prompt rows, and the first position only."""
+    path = dump_of(PromptsPaddedOnTheRight(("teacher",), positions_from_mask=True), model, tmp_path)
+    checks, causes, report = run_verifier(path, reference)
+    assert causes == {"pad-first:teacher"}, report
+    assert checks["student log-probs"].status == "matches"
+    line = next(l for l in checks["teacher log-probs"].lines if l.startswith("the first position of"))
+    shorter = FIXTURE["shorter_than_longest"]["teacher"]
+    assert line.startswith(f"the first position of rows {', '.join(map(str, shorter[:12]))}")
+    assert f"({len(shorter)} of the {len(shorter)} shorter rows)" in line
+    assert any("pad(s) lie between the prompt and answer token 0" in l for l in checks["batch"].lines)
+
+
+def test_the_command_line(model, tmp_path, capsys):
+    """One command, as a peer runs it: a defective dump exits 1 with its cause named; main() on a correct one
+    returns 0 (in this process: a second interpreter costs 9 s here)."""
+    bad = dump_of(PerAnswer(), model, tmp_path, keep=("divergence",), name="bad")
+    out = subprocess.run([sys.executable, str(VERIFY / "verify.py"), str(bad)], capture_output=True, text=True)
+    assert out.returncode == 1, out.stdout + out.stderr
+    assert "  - normalisation:answer: the loss is the mean over answers" in out.stdout, out.stdout
+    good = dump_of(Port(), model, tmp_path, keep=("logprobs", "divergence"), name="good")
+    assert verify.main([str(good)]) == 0
+    assert capsys.readouterr().out.endswith("Every check that ran matches.\n")
+
+
+# -----------------------------------------------------------------------------
+# Check 2: the batch's invariants
+
+
+def test_opsd_batches_and_a_left_padded_batch_pass():
+    prompts, completions = [[11, 12, 13], [21]], [[5, 6], [7, 8, 9]]
+    inputs, answer = opsd.build_batch(prompts, completions, pad_id=0, device="cpu")
+    assert verify.check_batch(inputs["input_ids"], inputs["attention_mask"], inputs["position_ids"], answer) == []
+    b = Port().batch(prompts, completions, 0)
+    assert b["input_ids"].tolist() == [[11, 12, 13, 5, 6], [0, 21, 7, 8, 9]]
+    assert verify.check_batch(b["input_ids"], b["attention_mask"], b["position_ids"], b["answer_mask"],
+                              b["scored_mask"]) == []
+    # a uniform shift: positions 0, 1, ... over the whole row, pads included (the model's default)
+    shifted = torch.arange(5).expand(2, 5)
+    assert verify.check_batch(b["input_ids"], b["attention_mask"], shifted, b["answer_mask"], b["scored_mask"]) == []
+
+
+def test_a_pad_between_prompt_and_answer_fails_naming_the_row():
+    prompts, completions = [[11, 12, 13], [21]], [[5, 6], [7, 8, 9]]
+    b = PromptsPaddedOnTheRight(positions_from_mask=True).batch(prompts, completions, 0)
+    assert b["input_ids"].tolist() == [[11, 12, 13, 5, 6, 0], [21, 0, 0, 7, 8, 9]]
+    problems = verify.check_batch(b["input_ids"], b["attention_mask"], b["position_ids"], b["answer_mask"])
+    assert problems == ["row 1: 2 pad(s) lie between the prompt and answer token 0, so the output at the position "
+                        "before it (a pad's) predicts it, not the prompt's last token's."]
+    # with the model's default positions the answer's position ids also jump over the pads
+    b = PromptsPaddedOnTheRight().batch(prompts, completions, 0)
+    problems = verify.check_batch(b["input_ids"], b["attention_mask"], b["position_ids"], b["answer_mask"])
+    assert problems[0] == "row 1: its real tokens' position ids jump from 0 to 3: they must count the real " \
+                          "tokens without a gap."
+    assert len(problems) == 2 and problems[1].startswith("row 1: 2 pad(s)")
+
+
+def test_scored_positions_one_late_fail():
+    b = ShiftedByOne().batch([[11, 12, 13], [21]], [[5, 6], [7, 8, 9]], 0)
+    problems = verify.check_batch(b["input_ids"], b["attention_mask"], b["position_ids"], b["answer_mask"],
+                                  b["scored_mask"])
+    assert problems == ["row 0: answer token 0 (index 3) is scored with the output at index 3, not at index 2 "
+                        "(the token before it).",
+                        "row 1: answer token 0 (index 2) is scored with the output at index 2, not at index 1 "
+                        "(the token before it)."]
