@@ -14,7 +14,7 @@ if os.environ.get("ATEN_CPU_CAPABILITY") == "default":
 
 TESTS = Path(__file__).resolve().parent
 # the unit tests import opsd.py and eval.py from the root and the scripts they test from their folders
-sys.path[:0] = [str(TESTS.parent), str(TESTS), *(str(TESTS / d) for d in ("miniature", "gpu_check", "benchmark"))]
+sys.path[:0] = [str(TESTS.parent), str(TESTS), *(str(TESTS / d) for d in ("miniature", "miniature/context", "gpu_check", "benchmark"))]
 
 import pytest  # noqa: E402
 

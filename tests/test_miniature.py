@@ -678,3 +678,38 @@ def test_an_interrupted_run_resumes_to_the_uninterrupted_results(quick_run):
     assert (run / "metrics.jsonl").read_bytes() == trained and "training kept" in proc.stdout
     assert len(scored.read_text().splitlines()) == len(lines)
     assert after["timings"][run.name] == before["timings"][run.name]  # the first invocation's
+
+
+# -- what the teacher is shown (tests/miniature/context/) ------------------------------------------------------------
+
+CONTEXT = ROOT / "tests" / "miniature" / "context"
+
+
+def test_the_teacher_context_runs_are_the_quickstart_with_one_flag(tmp_path):
+    import context
+    quickstart = [miniature.in_dir(c, tmp_path) for c in miniature.quickstart_commands()]
+    train, scoring = context.commands(tmp_path, "other", 43)
+    at = quickstart[0].index("--output-dir")
+    assert train == [*quickstart[0][:at + 1], str(tmp_path / "other-43"), *quickstart[0][at + 2:], "--seed", "43",
+                     "--teacher-context", "other"]
+    answer, _ = context.commands(tmp_path, "answer", 42)
+    assert answer[answer.index("--dataset") + 1] == str(tmp_path / "train-boxed.jsonl")
+    assert scoring[scoring.index("--adapter") + 1] == str(tmp_path / "other-43" / "final")
+    source = tmp_path / "train.jsonl"
+    source.write_text('{"problem": "457+385", "solution": "457+385=842"}\n')
+    context.boxed_copy(source, tmp_path / "boxed.jsonl")
+    rows = [json.loads(line) for line in (tmp_path / "boxed.jsonl").read_text().splitlines()]
+    assert rows == [{"problem": "457+385", "solution": "457+385=\\boxed{842}"}]
+    assert opsd.shown_contexts([(r["problem"], r["solution"]) for r in rows], "answer", 0) == [
+        ("457+385", "\\boxed{842}")]
+
+
+def test_the_committed_teacher_context_results_are_their_files():
+    import context
+    committed = json.loads((CONTEXT / "results" / "results.json").read_text())
+    assert committed == json.loads(json.dumps(context.results(CONTEXT / "results")))  # the same sums: exact
+    assert set(committed["runs"]) == {f"{arm}-{seed}" for arm in context.ARMS for seed in context.SEEDS}
+    # reference at seed 42 is the quickstart run itself: the same held-out score as the quickstart's record
+    quickstart = json.loads((ROOT / "tests" / "miniature" / "quickstart" / "quickstart.json").read_text())
+    assert committed["runs"]["reference-42"]["heldout"] == pytest.approx(quickstart["heldout_trained"])
+    assert committed["base_heldout"] == pytest.approx(quickstart["heldout_base"])

@@ -133,3 +133,7 @@ def test_the_install_requests_no_extra_that_does_not_exist():
     gpu = set((ROOT / "requirements.txt").read_text().splitlines())
     assert {line for line in (ROOT / "tests" / "requirements.txt").read_text().splitlines()
             if line.startswith(("math-verify", "antlr4"))} <= gpu  # the GPU install grades with the same parser
+
+
+def test_the_readme_stays_within_2500_words():
+    assert len((ROOT / "README.md").read_text().split()) <= 2500

@@ -2,29 +2,37 @@
 """The run itself against an oracle: opsd.py under torchrun (2 ranks, 3 steps), gradient checkpointing on, with
 every loss, teacher and batch flag off its default and unlike the others, in two settings (the token clip, a JSD,
 the EMA teacher; the entry clip, the forward KL, the current student as teacher). A launcher wraps
-opsd.backward_step to write down what each rank trained on, then calls it unchanged. From those rows and the
-checkpoints this file recomputes every step in float64 with its own code (each row alone through the merged
-weights, the divergence from its formulas, no opsd loss function): the loss, kl_mean, kl_frac_above_tau,
-kl_first_token, the clipped teacher mass, both entropies, the share of negative loss terms, the gradient norm, and the adapter after the last step (its own AdamW).
-It also checks that each rank trained on the prompts step_indices names for it, none shared, and that the answers
-rollouts.jsonl logs (rank 0's, at steps 1 and 3 here) carry each token's KL as the oracle computes it."""
+opsd.backward_step to write down what each rank trained on, the LoRA each step began from and the EMA teacher's,
+then calls it unchanged. From those records and the run's directory, opsd_dump() writes check 4's dump, the one any
+trainer can write (tests/verify/README.md), and tests/verify/run_check.py checks it as it checks a peer's: every
+step recomputed in float64 with its own code (each row alone through the merged weights, the divergence from its
+formulas, no opsd loss function): the loss, kl_mean, kl_frac_above_tau, kl_first_token, the clipped teacher mass,
+both entropies, the share of negative loss terms, the gradient norm, and the adapter after each of the three steps
+(its own AdamW), the EMA teacher's update. This file adds what is opsd.py's alone: the learning rate's schedule, the
+EMA's start, that each rank trained on the prompts step_indices names for it, none shared, and that the answers
+rollouts.jsonl logs (rank 0's, at steps 1 and 3 here) carry each token's KL as the oracle computes it. A dump of
+the same run with one wrong wiring (the teacher shown the student's prompt, the loss normalised otherwise, the
+learning rate logged a step late, the EMA at another decay) is reported as differing. And a port written here,
+unlike opsd.py (port_run: its own LoRA, batches, normalisation and optimizer settings), is checked the same way."""
 
 import json
 import math
+import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoTokenizer
 
 import opsd
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "tests" / "verify"))
+import run_check  # noqa: E402
+
 DATA = ROOT / "tests" / "data" / "math_train.jsonl"
-TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 # every value distinguishable: two temperatures, tau, beta, the skip, the EMA decay all differ from their defaults
 SETTINGS = {
     "token-jsd-ema": dict(clip="token", tau=0.06, beta=0.3, loss_temperature=1.7, temperature=0.9, top_p=0.9,
@@ -35,16 +43,31 @@ SETTINGS = {
                              warmup_steps=0, max_grad_norm=0.2, seed=11, micro_batch_size=2),
 }
 STEPS, PROMPTS, NEW_TOKENS = 3, 4, 24
+# the wrong normalisation of the loss each run's dump is given (test_a_wrong_wiring_is_caught_through_the_dump)
+LOSS_WIRING = {"token": "answer", "entry": "skip counted"}
 
+# records/rank<r>.json: what backward_step received at each step; rank 0 also writes names.json (the LoRA
+# matrices' PEFT names, in the order of lora_params and of the optimizer's state) and, per step, the student's
+# LoRA it began from (before-<s>.safetensors) and the EMA teacher's when there is one (teacher-<s>.safetensors)
 LAUNCHER = """
 import json, os, sys
 from pathlib import Path
 sys.path.insert(0, {root!r})
+from safetensors.torch import save_file
 import opsd
+out = Path({out!r})
 seen, original = [], opsd.backward_step
 def recording(model, lora_params, student_prompts, teacher_prompts, completions, **kw):
     seen.append(dict(student=student_prompts, teacher=teacher_prompts, completions=completions))
-    Path({out!r}, f"rank{{os.environ['RANK']}}.json").write_text(json.dumps(seen))
+    (out / f"rank{{os.environ['RANK']}}.json").write_text(json.dumps(seen))
+    if os.environ["RANK"] == "0":
+        named = opsd.adapter_parameters(model)
+        assert all(a is b for a, b in zip(named.values(), lora_params, strict=True))
+        (out / "names.json").write_text(json.dumps(list(named)))
+        step = len(seen)
+        save_file({{n: p.detach().clone() for n, p in named.items()}}, str(out / f"before-{{step}}.safetensors"))
+        if kw.get("ema") is not None:
+            save_file({{n: e.clone() for n, e in zip(named, kw["ema"])}}, str(out / f"teacher-{{step}}.safetensors"))
     return original(model, lora_params, student_prompts, teacher_prompts, completions, **kw)
 opsd.backward_step = recording
 opsd.main()
@@ -55,8 +78,9 @@ opsd.main()
 def oracle_run(request, tiny_model_dir, tmp_path_factory):
     flags = SETTINGS[request.param]
     tmp = tmp_path_factory.mktemp("oracle")
+    (tmp / "records").mkdir()
     launcher = tmp / "launch.py"
-    launcher.write_text(LAUNCHER.format(root=str(ROOT), out=str(tmp)))
+    launcher.write_text(LAUNCHER.format(root=str(ROOT), out=str(tmp / "records")))
     argv = [f"--{k.replace('_', '-')}={v}" for k, v in flags.items()]
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(launcher),
            "--model", tiny_model_dir, "--dataset", str(DATA), "--device", "cpu", "--dtype", "float32",
@@ -66,138 +90,297 @@ def oracle_run(request, tiny_model_dir, tmp_path_factory):
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=ROOT)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     records = [json.loads(line) for line in (tmp / "run" / "metrics.jsonl").read_text().splitlines()]
-    ranks = [json.loads((tmp / f"rank{r}.json").read_text()) for r in range(2)]
+    ranks = [json.loads((tmp / "records" / f"rank{r}.json").read_text()) for r in range(2)]
     return tmp / "run", records, ranks, flags
 
 
-# ---- the oracle: float64, its own LoRA merge, its own divergence -------------------------------------------------
+def opsd_dump(run_dir, records, out):
+    """opsd.py's run as check 4's dump (tests/verify/README.md) in `out`: its settings from args.json and the
+    optimizer's own param_groups; what each rank trained on and, per step, the student's LoRA it began from and
+    the EMA teacher's (the launcher's records); its logged figures (metrics.jsonl, at --kl-window 1 the step's
+    own); the LoRA after each step (checkpoint-<s>, final/) and AdamW's moments before it (the checkpoint before;
+    step 1 has none: the moments start at 0)."""
+    args = json.loads((run_dir / "args.json").read_text())
+    state = lambda s: torch.load(run_dir / f"checkpoint-{s}" / "trainer_state.pt",  # noqa: E731
+                                 weights_only=True)["optimizer"]
+    group = state(1)["param_groups"][0]
+    run = {"model": args["model"], "beta": args["beta"], "loss_temperature": args["loss_temperature"],
+           "clip": args["clip"], "tau": args["tau"], "skip_first_tokens": args["skip_first_tokens"],
+           "normalisation": "step", "micro_batch_size": args["micro_batch_size"], "teacher": args["teacher"],
+           "lora": {"r": args["lora_r"], "alpha": args["lora_alpha"], "target_modules": list(opsd.LORA_TARGETS)},
+           "optimizer": {k: group[k] for k in ("betas", "eps", "weight_decay")},
+           "max_grad_norm": args["max_grad_norm"]}
+    if args["teacher"] == "ema":
+        run["ema_decay"] = args["ema_decay"]
+    out.mkdir()
+    (out / "run.json").write_text(json.dumps(run, indent=2))
+    for rank in range(2):
+        seen = json.loads((records / f"rank{rank}.json").read_text())
+        (out / f"rank{rank}.jsonl").write_text("".join(
+            json.dumps({"step": s, "rows": [{"student_prompt_ids": sp, "teacher_prompt_ids": tp, "completion_ids": c}
+                                            for sp, tp, c in zip(rows["student"], rows["teacher"],
+                                                                 rows["completions"])]}) + "\n"
+            for s, rows in enumerate(seen, 1)))
+    figures = [{**{k: r[k] for k in ("step", "loss", "grad_norm", "lr", "kl_mean", "kl_frac_above_tau",
+                                      "kl_first_token", "kl_clipped_teacher_mass", "entropy_student",
+                                      "entropy_teacher", "loss_frac_negative")},
+                "answer_tokens": r["kl_window_tokens"]}
+               for r in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines())]
+    (out / "figures.jsonl").write_text("".join(json.dumps(f) + "\n" for f in figures))
+    names = json.loads((records / "names.json").read_text())
+    for s in range(1, STEPS + 1):
+        step = out / f"step-{s}"
+        for kind in ("before", "teacher"):
+            if (records / f"{kind}-{s}.safetensors").exists():
+                (step / kind).mkdir(parents=True)
+                shutil.copy(records / f"{kind}-{s}.safetensors", step / kind / "adapter_model.safetensors")
+        (step / "after").mkdir()
+        after = run_dir / (f"checkpoint-{s}" if s < STEPS else "final") / "adapter_model.safetensors"
+        shutil.copy(after, step / "after" / "adapter_model.safetensors")
+        if s > 1:  # the optimizer's state lists the moments in lora_params' order: names.json's
+            moments = state(s - 1)["state"]
+            run_check.write_moments(step / "optimizer.safetensors", {
+                n: (moments[i]["exp_avg"], moments[i]["exp_avg_sq"]) for i, n in enumerate(names)},
+                steps_before=int(moments[0]["step"]))
+    return out
 
 
-def linear_names(model):
-    """The seven projections' module names, in the order the model registers them (the order of opsd's LoRA)."""
-    return [n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear) and n.rsplit(".", 1)[-1] in TARGETS]
+@pytest.fixture(scope="module")
+def checked(oracle_run, tiny_model_dir):
+    """(the dump's directory, the float64 model, run_check's checks and its recomputed steps)."""
+    out, _, _, _ = oracle_run
+    dump = opsd_dump(out, out.parent / "records", out.parent / "dump")
+    model = run_check.load_model(tiny_model_dir)
+    checks, results = run_check.check(run_check.read_dump(dump), model)
+    return dump, model, checks, results
 
 
-def adapter(path, names):
-    """{module name: (A, B)} in float64 from a PEFT-layout adapter directory."""
-    t = load_file(str(path / "adapter_model.safetensors"))
-    return {n: (t[f"base_model.model.{n}.lora_A.weight"].double(), t[f"base_model.model.{n}.lora_B.weight"].double())
-            for n in names}
-
-
-def logits(model, lora, prompt, completion, flags):
-    """(len(completion), V) float64 logits predicting each completion token, the row alone, W + (alpha/r) B A."""
-    scale = flags["lora_alpha"] / flags["lora_r"]
-    weights = {f"{n}.weight": model.get_submodule(n).weight + scale * B @ A for n, (A, B) in lora.items()}
-    ids = torch.tensor([prompt + completion])
-    out = torch.func.functional_call(model, weights, (ids,), {"use_cache": False}).logits[0]
-    return out[len(prompt) - 1:len(prompt) - 1 + len(completion)]
-
-
-def divergences(s, t, flags):
-    """Per position: the loss's k, the unclipped forward KL, the teacher mass on entries whose forward-KL term exceeds
-    tau, and whether the clip cut this position. beta 0: the forward KL; else the JSD with m = beta p_T + (1-beta) p_S;
-    the entry clip bounds each vocabulary entry's term by tau before the sum, the token clip the sum's value."""
-    T, beta, tau = flags["loss_temperature"], flags["beta"], flags["tau"]
-    log_s, log_t = torch.log_softmax(s / T, -1), torch.log_softmax(t / T, -1)
-    p_s, p_t = log_s.exp(), log_t.exp()
-    if beta == 0:
-        entries = p_t * (log_t - log_s)
-    else:
-        m = beta * p_t + (1 - beta) * p_s
-        entries = beta * p_t * (log_t - m.log()) + (1 - beta) * p_s * (log_s - m.log())
-    if flags["clip"] == "entry":
-        k, cut = torch.minimum(entries, torch.tensor(tau, dtype=entries.dtype)).sum(-1), (entries > tau).any(-1)
-    else:
-        raw = entries.sum(-1)
-        k, cut = torch.where(raw > tau, raw * (tau / raw).detach(), raw), raw > tau  # value min(k, tau)
-    term = p_t * (log_t - log_s)
-    entropies = (-(p_s * log_s).sum(-1).detach(), -(p_t * log_t).sum(-1).detach())
-    return k, term.sum(-1).detach(), (p_t * (term > tau)).sum(-1).detach(), cut, entropies
-
-
-def step_oracle(model, student, teacher, ranks, step, flags):
-    """What step `step` (1-based) computes over both ranks' rows: figures and the gradient w.r.t. the student's LoRA."""
-    ks, kls, masses, firsts, clipped, h_s, h_t = [], [], [], [], [], [], []
-    for seen in ranks:
-        rows = seen[step - 1]  # what backward_step received on this rank at this step
-        for sp, tp, c in zip(rows["student"], rows["teacher"], rows["completions"]):
-            with torch.no_grad():
-                t = logits(model, teacher, tp, c, flags)
-            k, kl, mass, cut, (h_student, h_teacher) = divergences(logits(model, student, sp, c, flags), t, flags)
-            ks.append(k[flags["skip_first_tokens"]:])
-            clipped.append(cut[flags["skip_first_tokens"]:])
-            kls.append(kl.detach())
-            masses.append(mass)
-            firsts.append(kl[0])
-            h_s.append(h_student)
-            h_t.append(h_teacher)
-    kept, kl = torch.cat(ks), torch.cat(kls)
-    # a loss term below -1e-6 is negative; the skipped positions' terms are 0
-    negative = (kept.detach() < -1e-6).sum().item()
-    loss = kept.sum() / len(kept)
-    loss.backward()
-    return {"loss": loss.item(), "kl_mean": kl.mean().item(), "kl_frac_above_tau": (kl > flags["tau"]).double().mean()
-            .item(), "kl_first_token": torch.stack(firsts).mean().item(), "kl_clipped_teacher_mass":
-            torch.cat(masses).mean().item(), "kl_window_tokens": len(kl),
-            "clipped_share": torch.cat(clipped).double().mean().item(), "rows_kl": kls,  # rank 0's rows first
-            "entropy_student": torch.cat(h_s).mean().item(), "entropy_teacher": torch.cat(h_t).mean().item(),
-            "loss_frac_negative": negative / len(kl), "negative_terms": negative}
-
-
-def leaves(lora):
-    return {n: (A.clone().requires_grad_(), B.clone().requires_grad_()) for n, (A, B) in lora.items()}
-
-
-def test_every_step_of_the_run_matches_the_float64_oracle(oracle_run, tiny_model_dir):
+def test_every_step_of_the_run_matches_the_float64_oracle(oracle_run, checked):
     out, records, ranks, flags = oracle_run
-    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float64).eval()
-    names = linear_names(model)
-    zero_b = {n: (A, torch.zeros_like(B)) for n, (A, B) in adapter(out / "checkpoint-1", names).items()}
-    s1, s2 = adapter(out / "checkpoint-1", names), adapter(out / "checkpoint-2", names)
-    plan = [(zero_b, zero_b), (s1, s1), (s2, s2)]  # the students of steps 1-3, each its own teacher (current)
-    if flags["teacher"] == "ema":  # the EMA is the student until the first step makes a copy of it, then
-        d = flags["ema_decay"]     # decay * ema + (1 - decay) * student after each step, for A and for B
-        plan[2] = (s2, {n: (d * s1[n][0] + (1 - d) * s2[n][0], d * s1[n][1] + (1 - d) * s2[n][1]) for n in names})
-    negatives = []
-    for step, (student, teacher) in enumerate(plan, 1):
-        student = leaves(student)
-        want = step_oracle(model, student, teacher, ranks, step, flags)
-        got = records[step - 1]
-        for key in ("loss", "kl_mean", "kl_first_token", "kl_clipped_teacher_mass", "entropy_student",
-                    "entropy_teacher"):
-            assert got[key] == pytest.approx(want[key], rel=2e-4, abs=1e-7), (step, key, got[key], want[key])
-        # a position within float32 rounding of tau may fall either side: at most one of them
-        assert abs(got["kl_frac_above_tau"] - want["kl_frac_above_tau"]) <= 1 / want["kl_window_tokens"] + 1e-12
-        assert abs(got["loss_frac_negative"] - want["loss_frac_negative"]) <= 1 / want["kl_window_tokens"] + 1e-12
-        assert got["kl_window_tokens"] == want["kl_window_tokens"]
-        negatives.append(want["negative_terms"])
-        grads = [g for n in names for g in (student[n][0].grad, student[n][1].grad)]
-        norm = torch.sqrt(sum((g ** 2).sum() for g in grads)).item()
-        assert got["grad_norm"] == pytest.approx(norm, rel=2e-4), (step, got["grad_norm"], norm)
-        assert 0.1 < want["clipped_share"] < 0.9, want["clipped_share"]  # the clip cuts some positions, not all
+    dump, _, checks, results = checked
+    differing = [c for c in checks if c.status != "matches"]
+    assert differing == [], run_check.report(checks, run_check.read_dump(dump))
+    # every figure of every step, each step's update, the adapters written twice, the EMA's rule: all were checked
+    names = {c.name for c in checks}
+    wanted = {"rows", "adapter", *(f"step {s} after" for s in range(1, STEPS)),
+              *(f"step {s} {f}" for s in range(1, STEPS + 1) for f in (*run_check.FIGURES, "update"))}
+    if flags["teacher"] == "ema":
+        wanted.add("step 3 teacher")
+    assert names == wanted, names ^ wanted
+    for step, result in results.items():
+        assert 0.1 < result.clipped_share < 0.9, result.clipped_share  # the clip cuts some positions, not all
         if flags["clip"] == "token":
-            assert 0 < want["loss"] < flags["tau"]
-        check_logged_answers(out, step, got, want, ranks, flags)
+            assert 0 < result.figures["loss"] < flags["tau"]
+        check_logged_answers(out, step, records[step - 1], result, ranks, flags)
     # the tiny random model's KL (about 1) is far above tau: no clipped sum falls below 0 here (tests/test_loss.py
     # shows the entry clip's negative terms counted where teacher and student are close)
-    assert sum(negatives) == 0, negatives
-    # the adapter after step 3: AdamW from checkpoint-2's moments, with the clipped step-3 gradient, written out
-    state = torch.load(out / "checkpoint-2" / "trainer_state.pt", weights_only=True)["optimizer"]["state"]
-    final = adapter(out / "final", names)
-    clip = min(1.0, flags["max_grad_norm"] / (norm + 1e-6))
-    progress = (2 - flags["warmup_steps"]) / (STEPS - flags["warmup_steps"])  # cosine after warmup, to 0
-    lr = 0.5 * flags["lr"] * (1 + math.cos(math.pi * progress))  # at step index 2 of 3
-    for i, (param, g) in enumerate(zip([p for n in names for p in s2[n]], grads)):
-        m = 0.9 * state[i]["exp_avg"].double() + 0.1 * clip * g
-        v = 0.999 * state[i]["exp_avg_sq"].double() + 0.001 * (clip * g) ** 2
-        new = param - lr * (m / (1 - 0.9 ** 3)) / ((v / (1 - 0.999 ** 3)).sqrt() + 1e-8)
-        name, ab = names[i // 2], i % 2  # the step itself, element by element, to a thousandth of the learning rate
-        torch.testing.assert_close(final[name][ab] - param, new - param, rtol=1e-3, atol=1e-3 * lr)
-    assert max((final[n][1] - s2[n][1]).abs().max() for n in names) > 0.1 * lr  # the step moved the adapter
+    assert sum(r.negative_terms for r in results.values()) == 0
+    # the dump's learning rates (run_check's AdamW takes them as logged) are opsd.py's schedule: linear warmup, then
+    # cosine to 0 at the last step
+    for step, record in enumerate(records):
+        w = flags["warmup_steps"]
+        lr = flags["lr"] * ((step + 1) / w if step < w else 0.5 * (1 + math.cos(math.pi * (step - w) / (STEPS - w))))
+        assert record["lr"] == pytest.approx(lr, rel=1e-12)
+    first, before, after = (run_check.read_adapter(dump / f"step-{s}" / kind)
+                            for s, kind in ((1, "before"), (STEPS, "before"), (STEPS, "after")))
+    lr = records[-1]["lr"]  # the last step moved the adapter (its change is checked to a thousandth of lr)
+    assert max((after[n][1] - before[n][1]).abs().max() for n in after) > 0.1 * lr
+    assert all(B.abs().max() == 0 for _, B in first.values())  # the run starts at the base model
+    if flags["teacher"] == "ema":  # opsd.py's EMA: none at step 1 (the student teaches), then a copy of the student
+        assert not (dump / "step-1" / "teacher").exists()
+        teacher, student = (run_check.read_adapter(dump / "step-2" / kind) for kind in ("teacher", "before"))
+        assert all(torch.equal(t, s) for n in student for t, s in zip(teacher[n], student[n], strict=True))
 
 
-def check_logged_answers(out, step, got, want, ranks, flags):
+def copy_with(dump, where, edit):
+    """A copy of the dump at `where`, edit(its path) applied, read back."""
+    shutil.copytree(dump, where)
+    edit(where)
+    return run_check.read_dump(where)
+
+
+def rewrite(path, change):
+    """Each record of a JSON-lines file through change(record)."""
+    path.write_text("".join(json.dumps(change(r)) + "\n" for r in run_check.read_jsonl(path)))
+
+
+def statuses(checks):
+    return {c.name: c.status for c in checks}
+
+
+def test_a_wrong_wiring_is_caught_through_the_dump(oracle_run, checked, tmp_path, capsys):
+    """The same run's dump, each time with one wiring wrong, checked at the steps it touches (0.1 s a step): the
+    checks it should break differ, the others still match."""
+    _, records, _, flags = oracle_run
+    dump, model, _, results = checked
+
+    # a trainer that showed the teacher the student's prompt at step 1, its logged figures the run's
+    def teacher_sees_student(path):
+        def change(r):
+            rows = [{**row, "teacher_prompt_ids": row["student_prompt_ids"]} for row in r["rows"]]
+            return {**r, "rows": rows} if r["step"] == 1 else r
+        for rank in range(2):
+            rewrite(path / f"rank{rank}.jsonl", change)
+    checks, _ = run_check.check(copy_with(dump, tmp_path / "prompts", teacher_sees_student), model, {1})
+    differ = {name for name, status in statuses(checks).items() if status == "differs"}
+    assert {"rows", "step 1 loss", "step 1 grad_norm", "step 1 kl_mean", "step 1 update"} <= differ, differ
+    assert any("give the teacher the student's prompt" in line for c in checks for line in c.lines)
+
+    # a trainer whose loss is normalised otherwise: in the first run each answer's token mean, averaged (its
+    # step 1 has answers of 11 and 24 tokens); in the second every answer has 24, where that mean is the step's,
+    # so there the skipped first position is counted in the denominator
+    wrong = LOSS_WIRING[flags["clip"]]
+    value = results[1].losses[wrong]
+    assert abs(value / results[1].losses["step"] - 1) > 10 * run_check.TOL_FIGURE[0]
+    loss_edit = lambda path: rewrite(path / "figures.jsonl",  # noqa: E731
+                                     lambda r: {**r, "loss": value} if r["step"] == 1 else r)
+    copy = copy_with(dump, tmp_path / "loss", loss_edit)
+    checks, _ = run_check.check(copy, model, {1})
+    assert [name for name, status in statuses(checks).items() if status != "matches"] == ["step 1 loss"]
+    assert f"yours is {run_check.LOSS_NAMES[wrong]} ('{wrong}')" in run_check.report(checks, copy)
+
+    # the learning rate logged one step late (its update at step 3 then has step 2's)
+    lr_edit = lambda path: rewrite(path / "figures.jsonl",  # noqa: E731
+                                   lambda r: {**r, "lr": records[1]["lr"]} if r["step"] == 3 else r)
+    checks, _ = run_check.check(copy_with(dump, tmp_path / "lr", lr_edit), model, {3})
+    assert [name for name, status in statuses(checks).items() if status != "matches"] == ["step 3 update"]
+
+    if flags["teacher"] == "ema":  # the EMA's decay stated otherwise than the run's
+        decay = lambda path: (path / "run.json").write_text(json.dumps(  # noqa: E731
+            {**json.loads((path / "run.json").read_text()), "ema_decay": 0.9}))
+        checks, _ = run_check.check(copy_with(dump, tmp_path / "decay", decay), model, {2, 3})
+        assert [name for name, status in statuses(checks).items() if status != "matches"] == ["step 3 teacher"]
+
+    # the command's main(), on the wrong loss: exit 1, the difference and its cause said
+    assert run_check.main([str(copy.path), "--steps", "1"]) == 1
+    out = capsys.readouterr().out
+    assert "[differs] step 1 loss" in out and f"('{wrong}')" in out and "1 of " in out.splitlines()[-1], out
+
+
+# ---- a port: the same dump from another trainer -------------------------------------------------------------------
+
+
+class PortLoRA(torch.nn.Module):
+    """The port's own LoRA: y = W x + (alpha / r) B A x, switched off for the teacher."""
+
+    def __init__(self, base, r, alpha, generator):
+        super().__init__()
+        self.base, self.scale, self.on = base, alpha / r, True
+        self.A = torch.nn.Parameter(0.1 * torch.randn(r, base.in_features, generator=generator))
+        self.B = torch.nn.Parameter(torch.zeros(base.out_features, r))
+
+    def forward(self, x):
+        return self.base(x) + (self.scale * (x @ self.A.T) @ self.B.T if self.on else 0)
+
+
+def port_run(dump, steps=3, ranks=2, rows_per_rank=3):
+    """A trainer written here from the method's description, unlike opsd.py wherever it may be: LoRA on q_proj and
+    v_proj only, the teacher the base model, each rank's rows in one left-padded batch, the loss each answer's
+    token mean averaged over answers and then over ranks (as data parallelism averages), torch's AdamW with weight
+    decay, the gradient's norm clipped. Float32, on the miniature model, with the fixture's rows (answers of 25 to
+    33 tokens), 2 simulated ranks. It writes check 4's dump as README.md's sketch does."""
+    from safetensors.torch import save_file
+    from transformers import AutoModelForCausalLM
+
+    fixture = json.loads((ROOT / "tests" / "verify" / "fixture.json").read_text())
+    T, tau, lr, max_norm = 1.1, 0.05, 5e-3, 0.02
+    model = AutoModelForCausalLM.from_pretrained(ROOT / fixture["model"], dtype=torch.float32).requires_grad_(False)
+    generator, loras = torch.Generator().manual_seed(0), {}
+    for name, module in list(model.named_modules()):
+        for child in ("q_proj", "v_proj"):
+            if hasattr(module, child):
+                setattr(module, child, PortLoRA(getattr(module, child), 4, 8, generator))
+                loras[f"{name}.{child}"] = getattr(module, child)
+    names = {m: f"base_model.model.{n}.lora_{ab}.weight" for n, lora in loras.items()
+             for ab, m in (("A", lora.A), ("B", lora.B))}
+    optimizer = torch.optim.AdamW(list(names), lr=lr, betas=(0.9, 0.99), eps=1e-8, weight_decay=0.01)
+
+    def answer_logits(prompts, answers):  # left padding; position ids count the real tokens
+        seqs = [p + a for p, a in zip(prompts, answers)]
+        width = max(map(len, seqs))
+        mask = torch.tensor([[0] * (width - len(s)) + [1] * len(s) for s in seqs])
+        ids = torch.tensor([[0] * (width - len(s)) + s for s in seqs])
+        out = model(input_ids=ids, attention_mask=mask, position_ids=(mask.cumsum(-1) - 1).clamp(min=0)).logits
+        return [out[i, width - len(a) - 1:width - 1] for i, a in enumerate(answers)]
+
+    dump.mkdir()
+    (dump / "run.json").write_text(json.dumps({
+        "model": str(ROOT / fixture["model"]), "beta": 0.0, "loss_temperature": T, "clip": "entry", "tau": tau,
+        "normalisation": "answer", "teacher": "base",
+        "lora": {"r": 4, "alpha": 8, "target_modules": ["q_proj", "v_proj"]},
+        "optimizer": {"betas": [0.9, 0.99], "eps": 1e-8, "weight_decay": 0.01}, "max_grad_norm": max_norm}))
+    for step in range(1, steps + 1):
+        here = dump / f"step-{step}"
+        (here / "before").mkdir(parents=True)
+        save_file({n: m.detach().clone() for m, n in names.items()}, str(here / "before" / "adapter_model.safetensors"))
+        losses, kl, positions = [], 0.0, 0
+        for rank in range(ranks):
+            first = ((step - 1) * ranks + rank) * rows_per_rank
+            rows = [{k: r[k] for k in ("student_prompt_ids", "teacher_prompt_ids", "completion_ids")}
+                    for r in fixture["rows"][first:first + rows_per_rank]]
+            with open(dump / f"rank{rank}.jsonl", "a") as f:
+                f.write(json.dumps({"step": step, "rows": rows}) + "\n")
+            answers = [r["completion_ids"] for r in rows]
+            with torch.no_grad():
+                for lora in loras.values():
+                    lora.on = False
+                teacher = answer_logits([r["teacher_prompt_ids"] for r in rows], answers)
+                for lora in loras.values():
+                    lora.on = True
+            means = []
+            for s, t in zip(answer_logits([r["student_prompt_ids"] for r in rows], answers), teacher):
+                log_s, log_t = torch.log_softmax(s / T, -1), torch.log_softmax(t / T, -1)
+                terms = log_t.exp() * (log_t - log_s)
+                means.append(terms.clamp(max=tau).sum(-1).mean())
+                kl, positions = kl + terms.sum().item(), positions + len(terms)
+            loss = torch.stack(means).mean()
+            (loss / ranks).backward()
+            losses.append(loss.item())
+        if optimizer.state:
+            state = optimizer.state
+            run_check.write_moments(here / "optimizer.safetensors",
+                                    {n: (state[m]["exp_avg"], state[m]["exp_avg_sq"]) for m, n in names.items()},
+                                    steps_before=int(state[next(iter(names))]["step"]))
+        grad_norm = torch.nn.utils.clip_grad_norm_(list(names), max_norm).item()
+        optimizer.step()
+        optimizer.zero_grad()
+        (here / "after").mkdir()
+        save_file({n: m.detach().clone() for m, n in names.items()}, str(here / "after" / "adapter_model.safetensors"))
+        with open(dump / "figures.jsonl", "a") as f:
+            f.write(json.dumps({"step": step, "loss": sum(losses) / ranks, "grad_norm": grad_norm, "lr": lr,
+                                "kl_mean": kl / positions, "answer_tokens": positions}) + "\n")
+    return dump
+
+
+def test_a_port_is_checked_the_same_way(tmp_path):
+    """Another trainer's dump (port_run) goes through the same check: every figure it logged, each update and the
+    adapters written twice match; the figures it did not log are not checked. Declared with opsd.py's
+    normalisation, its loss and gradient norm differ, and the per-answer one is named."""
+    dump = run_check.read_dump(port_run(tmp_path / "port"))
+    model = run_check.load_model(dump.run["model"])
+    checks, results = run_check.check(dump, model)
+    assert {c.status for c in checks if c.status != "not checked"} == {"matches"}, run_check.report(checks, dump)
+    assert {c.name for c in checks if c.status == "not checked"} == {f"step {s} figures" for s in (1, 2, 3)}
+    assert {f"step {s} update" for s in (1, 2, 3)} <= {c.name for c in checks}
+    assert results[1].grad_norms["answer"] > 0.02  # the clip acted at step 1
+    declared = lambda path: (path / "run.json").write_text(json.dumps(  # noqa: E731
+        {**json.loads((path / "run.json").read_text()), "normalisation": "step"}))
+    copy = copy_with(dump.path, tmp_path / "declared", declared)
+    checks, _ = run_check.check(copy, model, {1})
+    assert [c.name for c in checks if c.status == "differs"] == ["step 1 loss", "step 1 grad_norm", "step 1 update"]
+    assert run_check.report(checks, copy).count("('answer'), not the declared 'step'") == 2
+    # the command itself, on a dump whose figures lack a grad_norm: one sentence saying so, before any model loads
+    broken = tmp_path / "broken"
+    shutil.copytree(dump.path, broken)
+    rewrite(broken / "figures.jsonl", lambda r: {k: v for k, v in r.items() if k != "grad_norm"})
+    proc = subprocess.run([sys.executable, str(ROOT / "tests" / "verify" / "run_check.py"), str(broken)],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert proc.stderr.strip().endswith("step 1 has no loss or no grad_norm (tests/verify/README.md, "
+                                        '"Check 4: the run").'), proc.stderr
+
+
+def check_logged_answers(out, step, got, result, ranks, flags):
     """rollouts.jsonl at `step`: rank 0's answers, each with its tokens, each token's KL(p_T || p_S) at the loss
     temperature (the oracle's, row by row), and the positions the loss skipped; steps not due log nothing."""
     logged = [r for r in map(json.loads, (out / "rollouts.jsonl").read_text().splitlines()) if r["step"] == step]
@@ -206,11 +389,11 @@ def check_logged_answers(out, step, got, want, ranks, flags):
         return
     mine = ranks[0][step - 1]["completions"]
     assert [r["token_ids"] for r in logged] == mine and [r["tokens"] for r in logged] == [len(c) for c in mine]
-    for r, kl in zip(logged, want["rows_kl"]):
+    for r, kl in zip(logged, result.rows_kl):
         assert len(r["kl"]) == len(kl) and r["skipped_by_loss"] == min(flags["skip_first_tokens"], len(kl))
         torch.testing.assert_close(torch.tensor(r["kl"], dtype=torch.float64), kl, rtol=2e-4, atol=1e-6)
     # what the step's record implies for rank 0's answers: its KL sum over both ranks less rank 1's (the oracle's)
-    implied = got["kl_mean"] * got["kl_window_tokens"] - sum(kl.sum() for kl in want["rows_kl"][len(mine):]).item()
+    implied = got["kl_mean"] * got["kl_window_tokens"] - sum(kl.sum() for kl in result.rows_kl[len(mine):]).item()
     assert sum(map(sum, (r["kl"] for r in logged))) == pytest.approx(implied, rel=2e-4, abs=1e-6)
 
 
