@@ -13,9 +13,7 @@ network, and its prompt also holds a reference solution. Each optimizer step:
      the teacher's with a full-vocabulary KL; only LoRA weights train;
   4. the merged LoRA weights are pushed into the running vLLM engine, in place.
 
-Departures from the released recipe (README.md says why): rows [prompt | answer | pads]
-with positions from the attention mask; token ids to vLLM; LoRA merged out of place;
-float32 loss in chunks, normalised over the whole step; a cosine schedule; the token clip.
+Where it departs from the released recipe, and why: README.md, "Departures".
 Then: the helpers the method calls; Part 1, the method; Part 2, the run; Part 3, the guards.
 """
 
