@@ -29,6 +29,7 @@ import re
 import shlex
 import shutil
 import signal
+import subprocess
 import sys
 import time
 import traceback
@@ -827,6 +828,8 @@ def main(argv=None):
     with stop_cleanly(run):
         args = parse_args(argv)
         run["args"] = args
+        if args.device != "cpu":
+            check_cuda_build()
         device = init_distributed(args)
         out_dir = Path(args.output_dir)
 
@@ -1503,6 +1506,17 @@ def check_device(args, parameters):
              f"torch {torch.__version__}: {build}), and --model {args.model} has "
              f"{parameters / 1e9:.2f}B parameters, too many for a CPU: make a GPU visible, "
              "or pass --device cpu.")
+
+
+def check_cuda_build():
+    """A CPU build of torch on a machine with an NVIDIA GPU would run on the CPU."""
+    if torch.version.cuda or not shutil.which("nvidia-smi"):
+        return
+    listed = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True).stdout
+    if "GPU" in listed:
+        fail(f"torch {torch.__version__} is a CPU build, but nvidia-smi lists a GPU: "
+             "install the GPU build in a fresh environment (python -m venv, then "
+             "pip install -r requirements.txt).")
 
 
 @torch.no_grad()
