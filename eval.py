@@ -17,8 +17,8 @@ from pathlib import Path
 
 import math_verify
 
-import opsd  # what both scripts share: the prompt, the answer's \boxed{}, the row reader, the fingerprint, CPU settings
-from opsd import AT_LEAST_1, NON_NEGATIVE, SHARE, extract_boxed, model_dir, model_fingerprint
+import opsd  # what both scripts share: the prompt, the answer's \boxed{}, the fingerprint, CPU settings
+from opsd import extract_boxed, model_dir, model_fingerprint
 
 HUB_IDS = {"aime24": "HuggingFaceH4/aime_2024", "aime25": "yentinglin/aime_2025", "hmmt25": "MathArena/hmmt_feb_2025"}
 GRADING_TIMEOUT_S = 5
@@ -31,6 +31,22 @@ def fail(message):
     """One sentence, "eval.py: error: ...", exit status 2."""
     print(f"eval.py: error: {message}", file=sys.stderr, flush=True)
     raise SystemExit(2)
+
+
+def checked(kind, ok, rule):
+    """An argparse type: the text read as `kind`, refused unless ok(value)."""
+    def parse(text):
+        value = kind(text)
+        if not ok(value):
+            raise argparse.ArgumentTypeError(f"must be {rule}, got {text}")
+        return value
+    parse.__name__ = kind.__name__  # for argparse's own "invalid int value" sentence
+    return parse
+
+
+AT_LEAST_1 = checked(int, lambda v: v >= 1, "at least 1")
+NON_NEGATIVE = checked(float, lambda v: v >= 0, "0 or more")
+SHARE = checked(float, lambda v: 0 < v <= 1, "in (0, 1]")
 
 
 def parse_args(argv=None):
@@ -208,16 +224,19 @@ def format_table(summary, n):
 # Run: check what a user can get wrong, read the problems, draw what samples.jsonl lacks, summarise the file.
 
 def main(argv=None):
-    try:
-        return evaluate(parse_args(argv))
-    except opsd.Refusal as e:  # a refusal of the pieces shared with opsd.py (reading a data file)
+    args = parse_args(argv)
+    try:  # before anything loads: a CPU build of torch on a GPU machine would sample on the CPU (vLLM's CPU build)
+        opsd.check_cuda_build()
+    except opsd.Refusal as e:  # opsd.py's sentence
         fail(str(e))
+    return evaluate(args)
 
 
 def evaluate(args):
     sources = benchmark_sources(args.benchmarks, args.data)
-    if opsd.local_path(args.model) and not Path(args.model).expanduser().is_dir():  # opsd.py's rule, its sentence
-        fail(f"--model {args.model}: no such directory.")
+    if local_path(args.model) and not Path(args.model).expanduser().is_dir():  # opsd.py's rule
+        fail(f"--model {args.model}: no such directory; pass a model's directory or a hub id such as "
+             "Qwen/Qwen3-1.7B.")
     if args.adapter:
         check_adapter(args.adapter, args.model, args.allow_other_base)
     problems = {b: load_problems(b, src, args.problem_column, args.answer_column) for b, src in sources.items()}
@@ -257,9 +276,9 @@ def benchmark_sources(benchmarks, data):
     for item in data:
         name, sep, path = item.partition("=")
         if not sep or not name or not path:
-            fail(f"--data takes NAME=PATH, got '{item}'.")
+            fail(f"--data takes NAME=PATH, got '{item}': pass e.g. --data aime24=aime24.jsonl.")
         if not Path(path).is_file():
-            fail(f"--data {name}: no file at {path}.")
+            fail(f"--data {name}: no file at {path}; pass the path of a .jsonl, .json or .parquet file.")
         local[name] = path
     names = [b.strip() for b in benchmarks.split(",") if b.strip()] if benchmarks else (list(local) or list(HUB_IDS))
     for name in names:
@@ -267,6 +286,13 @@ def benchmark_sources(benchmarks, data):
             fail(f"Unknown benchmark '{name}': choose from {', '.join(HUB_IDS)} "
                              f"or give a file with --data {name}=PATH.")
     return {name: local.get(name, HUB_IDS.get(name)) for name in names}
+
+def local_path(value):
+    """True when `value` names a local file or directory, not a hub id (org/name): opsd.py's rule."""
+    path = Path(value).expanduser()
+    if path.exists() or value.startswith((".", "/", "~")) or value.count("/") > 1:
+        return True
+    return len(path.parts) > 1 and Path(path.parts[0]).is_dir()
 
 def use_cache_if_hub_silent(timeout_s=3):
     """Without network the Hugging Face libraries retry each request for ~25 s: set HF_HUB_OFFLINE (read when they
@@ -280,15 +306,56 @@ def use_cache_if_hub_silent(timeout_s=3):
         if not isinstance(e, urllib.error.HTTPError):
             os.environ["HF_HUB_OFFLINE"] = "1"
 
+def read_rows(name, source):
+    """Rows (dicts) of a local .jsonl (an object a line), .json (a list of objects, or an object a line) or .parquet
+    file, or of a hub dataset's train split; a bad file is named with its line."""
+    path = Path(source)
+    if not path.is_file():
+        use_cache_if_hub_silent()
+        from datasets import load_dataset
+        try:
+            return [dict(row) for row in load_dataset(source, split="train")]
+        except Exception as e:  # the hub's many failures all mean one thing here
+            fail(f"{source}: cannot load split 'train' from the hub ({str(e).splitlines()[0]}); without network, "
+                 f"use a local copy: --data {name}=FILE (a .jsonl, .json or .parquet of problem and answer columns).")
+    if path.suffix.lower() == ".parquet":
+        import pyarrow.parquet as pq
+        return pq.read_table(path).to_pylist()
+    if path.suffix.lower() not in (".json", ".jsonl"):
+        fail(f"{source}: a benchmark file must be .jsonl, .json or .parquet; convert it, or rename it if it is one.")
+    text = path.read_text()
+    chunks = [(1, text)] if text.lstrip().startswith("[") else enumerate(text.splitlines(), 1)
+    rows = []
+    for number, chunk in chunks:
+        if chunk.strip():
+            try:
+                value = json.loads(chunk)
+            except json.JSONDecodeError as e:
+                fail(f"{source}, line {number + e.lineno - 1}: not valid JSON ({e.msg}); fix that line.")
+            rows.extend(value if isinstance(value, list) else [value])
+    if not all(isinstance(row, dict) for row in rows):
+        fail(f"{source}: every row must be a JSON object: write one object a line (.jsonl), or a list of objects "
+             "(.json).")
+    return rows
+
+def check_column(rows, source, flag, column):
+    """Every row holds `column`, a string or a number (a bool is none), else a sentence naming the row or flag."""
+    if column not in rows[0]:
+        fail(f"{source} has no column {column!r}; its columns are {list(rows[0])}: name the right one with {flag}.")
+    for number, row in enumerate(rows, 1):
+        value = row.get(column)
+        if not isinstance(value, (str, int, float)) or isinstance(value, bool):
+            fail(f"{source}, row {number}: {column!r} is {value!r}, not a string or a number; fix or remove that "
+                 "row.")
+
 def load_problems(name, source, problem_column, answer_column):
     """[{problem, answer, hash}], the answer as text; no rows, a missing column or a missing answer is refused."""
-    if not Path(source).is_file():
-        use_cache_if_hub_silent()
-    rows = opsd.read_table(source, "train", source)
+    rows = read_rows(name, source)
     if not rows:
-        fail(f"{name}: {source} holds no problems.")
-    opsd.check_columns(rows, source, "--problem-column", (str, int, float), problem_column)
-    opsd.check_columns(rows, source, "--answer-column", (str, int, float), answer_column)
+        fail(f"{name}: {source} holds no problems; write a row per problem in it, or pass another file with "
+             f"--data {name}=FILE.")
+    check_column(rows, source, "--problem-column", problem_column)
+    check_column(rows, source, "--answer-column", answer_column)
     problems = []
     for row in rows:
         problem, answer = str(row[problem_column]), str(row[answer_column])

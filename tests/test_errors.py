@@ -4,9 +4,11 @@ and under torchrun the sentence is said once and is the cause torchrun's own rep
 sentence is written here by hand."""
 
 import json
+import os
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -136,3 +138,35 @@ def test_an_unreachable_hub_is_one_sentence_not_a_dozen_retries(base, tmp_path, 
     assert err.startswith("opsd.py: error: --model nobody/no-such-model: cannot load its config"), err
     assert err.count("\n") == 1, err  # the sentence alone: no "Retrying in 1s [Retry 1/5]" lines before it
     assert not (tmp_path / "out").exists()
+
+
+CPU_BUILD_ON_A_GPU = (f"torch {torch.__version__} is a CPU build, but nvidia-smi lists a GPU: install the GPU build "
+                      "in a fresh environment (python -m venv, then pip install -r requirements.txt).")
+
+
+def fake_gpu_path(folder):
+    """A PATH whose first nvidia-smi lists an H100, as on a rented GPU node."""
+    folder.mkdir()
+    smi = folder / "nvidia-smi"
+    smi.write_text('#!/bin/sh\necho "GPU 0: NVIDIA H100 80GB HBM3 (UUID: GPU-0)"\n')
+    smi.chmod(0o755)
+    return f"{folder}{os.pathsep}{os.environ['PATH']}"
+
+
+@pytest.mark.skipif(bool(torch.version.cuda), reason="torch here is a CUDA build")
+def test_a_cpu_build_of_torch_on_a_gpu_machine_is_refused_before_anything_loads(tiny_model_dir, tmp_path):
+    env = {**os.environ, "PATH": fake_gpu_path(tmp_path / "bin")}
+    out = tmp_path / "out"
+    start = time.perf_counter()
+    proc = subprocess.run([sys.executable, str(ROOT / "opsd.py"), "--model", tiny_model_dir, "--dataset", str(DATA),
+                           "--output-dir", str(out)], capture_output=True, text=True, env=env, cwd=ROOT, timeout=120)
+    seconds = time.perf_counter() - start
+    assert (proc.returncode, proc.stderr) == (2, f"opsd.py: error: {CPU_BUILD_ON_A_GPU}\n")
+    assert seconds < 15 and not out.exists()  # before the run's directory, let alone the model
+    # --device cpu asks for the CPU: no refusal of the build (the run goes on, refused here for its output directory)
+    out.mkdir()
+    (out / "args.json").write_text("{}")
+    proc = subprocess.run([sys.executable, str(ROOT / "opsd.py"), "--model", tiny_model_dir, "--dataset", str(DATA),
+                           "--output-dir", str(out), "--device", "cpu"], capture_output=True, text=True, env=env,
+                          cwd=ROOT, timeout=120)
+    assert proc.returncode == 2 and "CPU build" not in proc.stderr and "already holds a run" in proc.stderr

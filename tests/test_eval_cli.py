@@ -35,7 +35,9 @@ def test_without_network_the_default_benchmarks_are_refused_at_once(tmp_path, of
     assert out.returncode == 2, out.stderr
     last = out.stderr.strip().splitlines()[-1]
     assert last.startswith("eval.py: error: HuggingFaceH4/aime_2024: cannot load split 'train' from the hub (")
-    assert last.endswith("; without network, use a local copy.") and "Traceback" not in out.stderr
+    # the way on: the flag, in the form it takes, for the benchmark that failed
+    assert last.endswith("; without network, use a local copy: --data aime24=FILE (a .jsonl, .json or .parquet of "
+                         "problem and answer columns).") and "Traceback" not in out.stderr
     assert seconds < 10
     assert not (tmp_path / "out").exists()  # refused before an output directory, let alone an engine
 
@@ -64,3 +66,20 @@ def test_the_engine_is_shut_down_cleanly(tiny_model_dir, tmp_path):
     assert " WARNING " in text and " INFO " not in text  # the user's level holds
     assert "exited unexpectedly" not in text and "force kill" not in text
     assert out.stdout.splitlines()[-1].split()[:2] == ["all", "3"]
+
+
+def test_a_cpu_build_of_torch_on_a_gpu_machine_is_refused_before_anything_loads(tiny_model_dir, tmp_path):
+    import torch
+
+    if torch.version.cuda:
+        pytest.skip("torch here is a CUDA build")
+    fake = tmp_path / "bin"  # a PATH whose first nvidia-smi lists an H100, as on a rented GPU node
+    fake.mkdir()
+    (fake / "nvidia-smi").write_text('#!/bin/sh\necho "GPU 0: NVIDIA H100 80GB HBM3 (UUID: GPU-0)"\n')
+    (fake / "nvidia-smi").chmod(0o755)
+    out, seconds = eval_py(["--model", tiny_model_dir, "--data", f"tiny={DATA}", "--output-dir", str(tmp_path / "out")],
+                           PATH=f"{fake}{os.pathsep}{os.environ['PATH']}")
+    assert (out.returncode, out.stderr) == (2, f"eval.py: error: torch {torch.__version__} is a CPU build, but "
+                                               "nvidia-smi lists a GPU: install the GPU build in a fresh environment "
+                                               "(python -m venv, then pip install -r requirements.txt).\n")
+    assert seconds < 15 and not (tmp_path / "out").exists()  # before the output directory, let alone an engine

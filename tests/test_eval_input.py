@@ -76,23 +76,43 @@ def test_eval_py_stands_alone():
 # Data files
 
 @pytest.mark.parametrize("name, content, message", [
-    ("empty.jsonl", "", "{path} holds no problems."),
-    ("blank.jsonl", "\n\n", "{path} holds no problems."),
+    ("empty.jsonl", "", "b: {path} holds no problems; write a row per problem in it, or pass another file with "
+                        "--data b=FILE."),
+    ("blank.jsonl", "\n\n", "b: {path} holds no problems; write a row per problem in it, or pass another file with "
+                            "--data b=FILE."),
     ("bad.jsonl", '{"problem": "1+1?", "answer": "2"}\n{"problem": "2+2?", "answer": 4\n',
-     "{path}, line 2: not valid JSON"),
+     "{path}, line 2: not valid JSON (Expecting ',' delimiter); fix that line."),
     ("null.jsonl", '{"problem": "1+1?", "answer": "2"}\n\n{"problem": "2+2?", "answer": null}\n',
-     "{path}, row 2: 'answer' is None, not a string or a number."),
+     "{path}, row 2: 'answer' is None, not a string or a number; fix or remove that row."),
     ("nullproblem.json", '[{"problem": "1+1?", "answer": "2"}, {"problem": null, "answer": "4"}]',
-     "{path}, row 2: 'problem' is None, not a string or a number."),
-    ("scalar.json", '"1+1?"', "{path}: every row must be a JSON object."),
-    ("list.jsonl", '["1+1?", "2"]\n', "{path}: every row must be a JSON object."),
-    ("bool.jsonl", '{"problem": "1+1?", "answer": true}\n', "{path}, row 1: 'answer' is True, not a string or a number."),
-    ("cols.jsonl", '{"question": "1+1?", "answer": "2"}\n', "{path} has no column 'problem'"),
+     "{path}, row 2: 'problem' is None, not a string or a number; fix or remove that row."),
+    ("scalar.json", '"1+1?"', "{path}: every row must be a JSON object: write one object a line (.jsonl), or a list "
+                              "of objects (.json)."),
+    ("list.jsonl", '["1+1?", "2"]\n', "{path}: every row must be a JSON object: write one object a line (.jsonl), or "
+                                      "a list of objects (.json)."),
+    ("bool.jsonl", '{"problem": "1+1?", "answer": true}\n',
+     "{path}, row 1: 'answer' is True, not a string or a number; fix or remove that row."),
+    ("cols.jsonl", '{"question": "1+1?", "answer": "2"}\n',
+     "{path} has no column 'problem'; its columns are ['question', 'answer']: name the right one with "
+     "--problem-column."),
+    ("bench.csv", "problem,answer\n1+1?,2\n",
+     "{path}: a benchmark file must be .jsonl, .json or .parquet; convert it, or rename it if it is one."),
 ])
 def test_bad_data_files_name_the_file_and_line(tmp_path, name, content, message):
     path = tmp_path / name
     path.write_text(content)
-    assert message.format(path=path) in refusal(["--data", f"b={path}"], tmp_path)
+    assert refusal(["--data", f"b={path}"], tmp_path) == message.format(path=path)  # each says how to go on
+
+
+def test_a_bad_data_flag_is_refused_with_its_form(tmp_path):
+    assert refusal(["--data", "aime24"], tmp_path) == ("--data takes NAME=PATH, got 'aime24': pass e.g. "
+                                                       "--data aime24=aime24.jsonl.")
+    missing = tmp_path / "aime24.jsonl"
+    assert refusal(["--data", f"aime24={missing}"], tmp_path) == (
+        f"--data aime24: no file at {missing}; pass the path of a .jsonl, .json or .parquet file.")
+    assert refusal(["--data", f"tiny={DATA}", "--benchmarks", "amc23"], tmp_path) == (
+        "Unknown benchmark 'amc23': choose from aime24, aime25, hmmt25 or give a file with --data amc23=PATH.")
+    assert not (tmp_path / "out").exists()
 
 
 def test_null_in_a_parquet_file_names_the_row(tmp_path):
@@ -102,7 +122,8 @@ def test_null_in_a_parquet_file_names_the_row(tmp_path):
     path = tmp_path / "b.parquet"
     pq.write_table(pa.Table.from_pylist([{"problem": "1+1?", "answer": "2"}, {"problem": "2+2?", "answer": None}]),
                    path)
-    assert f"{path}, row 2: 'answer' is None, not a string or a number." in refusal(["--data", f"b={path}"], tmp_path)
+    assert refusal(["--data", f"b={path}"], tmp_path) == (f"{path}, row 2: 'answer' is None, not a string or a number; "
+                                                          "fix or remove that row.")
 
 
 @pytest.mark.parametrize("suffix", [".jsonl", ".json", ".parquet", ".json-lines"])
@@ -132,15 +153,14 @@ def test_local_benchmark_files(tmp_path, suffix):
 def test_mistyped_model_fails_in_one_sentence(tmp_path, model, monkeypatch):
     monkeypatch.chdir(ROOT)  # tests/ exists here, so tests/no-such-model names a local path, as opsd.py reads it
     message = refusal(["--data", f"tiny={DATA}"], tmp_path, model=model)
-    assert message == f"--model {model}: no such directory."
+    assert message == (f"--model {model}: no such directory; pass a model's directory or a hub id such as "
+                       "Qwen/Qwen3-1.7B.")
 
 
-def test_a_bare_hub_id_is_a_hub_id_for_both_scripts():
-    import opsd
-
-    # one rule: a name like gpt2 or Qwen3-1.7B is a hub id (opsd.py's rule, now eval.py's); paths look like paths
-    assert not opsd.local_path("gpt2") and not opsd.local_path("Qwen/Qwen3-1.7B")
-    assert opsd.local_path("./model") and opsd.local_path("/abs/model") and opsd.local_path("a/b/c")
+def test_a_bare_hub_id_is_a_hub_id():
+    # opsd.py's rule: a name like gpt2 or Qwen3-1.7B is a hub id; paths look like paths
+    assert not ev.local_path("gpt2") and not ev.local_path("Qwen/Qwen3-1.7B")
+    assert ev.local_path("./model") and ev.local_path("/abs/model") and ev.local_path("a/b/c")
 
 
 def test_adapter_without_weights_is_refused(tmp_path):

@@ -8,6 +8,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 
 import pytest
@@ -149,6 +150,24 @@ def test_without_a_gpu_it_says_so_in_one_sentence(no_vllm_env, tmp_path):
         f"gpu_check.py: error: no CUDA device is visible to torch {torch.__version__}: run this on a GPU node, "
         "or pass --smoke for the tiny run on this machine."]
     assert not out.exists()
+
+
+@pytest.mark.skipif(bool(torch.version.cuda), reason="torch here is a CUDA build")
+def test_a_cpu_build_of_torch_on_a_gpu_machine_is_refused_before_anything_runs(no_vllm_env, tmp_path):
+    fake = tmp_path / "bin"  # a PATH whose first nvidia-smi lists an H100, as on a rented GPU node
+    fake.mkdir()
+    (fake / "nvidia-smi").write_text('#!/bin/sh\necho "GPU 0: NVIDIA H100 80GB HBM3 (UUID: GPU-0)"\n')
+    (fake / "nvidia-smi").chmod(0o755)
+    env = {**no_vllm_env, "PATH": f"{fake}{os.pathsep}{os.environ['PATH']}"}
+    for flags in ([], ["--smoke"]):  # --smoke too: on a GPU node it is meant to run on the GPU
+        out = tmp_path / "gpu.json"
+        start = time.perf_counter()
+        proc = run([str(SCRIPT), *flags, "--output", str(out)], env)
+        assert (proc.returncode, proc.stderr) == (2, f"gpu_check.py: error: torch {torch.__version__} is a CPU build, "
+                                                     "but nvidia-smi lists a GPU: install the GPU build in a fresh "
+                                                     "environment (python -m venv, then pip install -r "
+                                                     "requirements.txt).\n")
+        assert time.perf_counter() - start < 15 and not out.exists()  # before its output is written, let alone a model
 
 
 def test_an_unwritable_output_is_refused_before_anything_runs(no_vllm_env, tmp_path):

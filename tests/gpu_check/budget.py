@@ -139,6 +139,23 @@ def refuse(message):
     raise SystemExit(2)
 
 
+def checked(kind, ok, rule):
+    """An argparse type: the text read as `kind`, refused unless ok(value)."""
+    def parse(text):
+        value = kind(text)
+        if not ok(value):
+            raise argparse.ArgumentTypeError(f"must be {rule}, got {text}")
+        return value
+    parse.__name__ = kind.__name__  # for argparse's "invalid int value"
+    return parse
+
+
+AT_LEAST_1 = checked(int, lambda v: v >= 1, "at least 1")
+POSITIVE = checked(float, lambda v: v > 0, "positive")
+NON_NEGATIVE = checked(float, lambda v: v >= 0, "0 or more")
+SHARE = checked(float, lambda v: 0 < v <= 1, "in (0, 1]")
+
+
 # -----------------------------------------------------------------------------
 # Memory
 
@@ -548,9 +565,9 @@ def parse_own(argv):
     p.error = refuse  # argparse's refusals in one sentence
     p.add_argument("--gpu", default="h100", choices=list(GPUS),
                    help="the GPU to time on (default: h100, the SXM card)")
-    p.add_argument("--gpus", type=opsd.AT_LEAST_1, default=4,
+    p.add_argument("--gpus", type=AT_LEAST_1, default=4,
                    help="GPUs of the run (default: 4)")
-    p.add_argument("--gpu-gib", type=opsd.POSITIVE,
+    p.add_argument("--gpu-gib", type=POSITIVE,
                    help="memory of one GPU, GiB (default: --gpu's)")
     p.add_argument("--config",
                    help="the model's config.json or its directory "
@@ -558,23 +575,23 @@ def parse_own(argv):
     p.add_argument("--eval", action="store_true",
                    help="eval.py's protocol; the flags after -- are "
                         "eval.py's")
-    p.add_argument("--answer-tokens", type=opsd.AT_LEAST_1,
+    p.add_argument("--answer-tokens", type=AT_LEAST_1,
                    help="mean answer length (default: --max-new-tokens; "
                         f"with --eval {EVAL_ANSWER_TOKENS:,})")
-    p.add_argument("--prompt-tokens", type=opsd.AT_LEAST_1,
+    p.add_argument("--prompt-tokens", type=AT_LEAST_1,
                    default=PROMPT_TOKENS,
                    help="mean prompt length, the student's or eval's")
-    p.add_argument("--teacher-prompt-tokens", type=opsd.AT_LEAST_1,
+    p.add_argument("--teacher-prompt-tokens", type=AT_LEAST_1,
                    help="mean teacher prompt (default: --max-prompt-length)")
-    p.add_argument("--problems", type=opsd.AT_LEAST_1,
+    p.add_argument("--problems", type=AT_LEAST_1,
                    help="with --eval: problems (default: the benchmarks')")
-    p.add_argument("--flops-utilisation", type=opsd.SHARE,
+    p.add_argument("--flops-utilisation", type=SHARE,
                    default=FLOPS_UTILISATION)
-    p.add_argument("--bandwidth-utilisation", type=opsd.SHARE,
+    p.add_argument("--bandwidth-utilisation", type=SHARE,
                    default=BANDWIDTH_UTILISATION)
-    p.add_argument("--decode-step-ms", type=opsd.NON_NEGATIVE,
+    p.add_argument("--decode-step-ms", type=NON_NEGATIVE,
                    default=DECODE_STEP_MS)
-    p.add_argument("--startup-minutes", type=opsd.NON_NEGATIVE,
+    p.add_argument("--startup-minutes", type=NON_NEGATIVE,
                    default=STARTUP_MINUTES)
     own = p.parse_args(argv)
     if own.gpu_gib is None:

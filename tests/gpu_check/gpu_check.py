@@ -769,6 +769,10 @@ def main(argv=None):
     p.add_argument("--smoke", action="store_true",
                    help="tiny sizes on whatever device there is (a CPU here): the same code, in seconds")
     args = p.parse_args(argv)
+    try:  # before anything runs: a CPU build of torch on a GPU node would measure the CPU
+        opsd.check_cuda_build()
+    except opsd.Refusal as e:  # opsd.py's sentence
+        fail(str(e))
     cuda = torch.cuda.is_available()
     if not cuda and not args.smoke:
         fail(f"no CUDA device is visible to torch {torch.__version__}: run this on a GPU node, "
