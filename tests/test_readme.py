@@ -137,3 +137,58 @@ def test_the_install_requests_no_extra_that_does_not_exist():
 
 def test_the_readme_stays_within_2500_words():
     assert len((ROOT / "README.md").read_text().split()) <= 2500
+
+
+def test_the_readme_times_are_budget_py_s_for_the_commands_it_shows():
+    """The GPU section states each time once, as budget.py computes it for the commands the README shows: the
+    4-GPU training command, and eval.py with the --tensor-parallel-size its eval commands carry."""
+    import re
+    import subprocess
+    import sys
+
+    readme = (ROOT / "README.md").read_text()
+    section = readme.split("\n## Training on GPUs", 1)[1].split("\n## ", 1)[0]
+    train = next(line for line in section.splitlines() if line.strip().startswith("torchrun --nproc_per_node 4 opsd.py"))
+    gpu = " ".join(section.split())  # prose as one line
+    check = " ".join((ROOT / "tests" / "gpu_check" / "README.md").read_text().split())
+    flags = train.split("opsd.py", 1)[1].split("#")[0].split()
+    evals = [line for line in readme.splitlines() if line.strip().startswith("python eval.py --model Qwen/")]
+    assert evals and all("--tensor-parallel-size 4 " in line for line in evals), evals
+
+    def budget(*argv):
+        proc = subprocess.run([sys.executable, "tests/gpu_check/budget.py", "--config",
+                               "tests/gpu_check/configs/Qwen3-1.7B.json", *argv],
+                              capture_output=True, text=True, cwd=ROOT, timeout=300)
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        return proc.stdout
+
+    def minutes_and_gpu_hours(line):
+        hours, gpu_hours = re.search(r"expected ([\d.]+) h .*, ([\d.]+) GPU-hours", line).groups()
+        return round(float(hours) * 60), gpu_hours
+
+    out = budget("--", *flags)
+    total = re.search(r"total\s+([\d.]+) GiB", out).group(1)
+    assert f"{float(total):.1f} GiB of 80 per GPU" in gpu
+    minutes, gpu_hours = minutes_and_gpu_hours(next(l for l in out.splitlines() if "run of 100 steps" in l))
+    assert f"about **{minutes} minutes** ({gpu_hours} GPU-hours" in gpu
+    assert f"The README's training time ({minutes} minutes)" in check
+    out = budget("--eval", "--", "--tensor-parallel-size", "4")
+    lines = out.splitlines()
+    minutes, gpu_hours = minutes_and_gpu_hours(next(l for l in lines if "one checkpoint:" in l))
+    assert f"about **{minutes} minutes** ({gpu_hours} GPU-hours" in gpu
+    assert f"The README's {minutes} minutes for one checkpoint" in check
+    every = re.search(r"expected ([\d.]+) h", next(l for l in lines if "every answer at" in l)).group(1)
+    assert f"{float(every):.1f} h if all reach" in gpu
+
+
+def test_the_readme_example_rows_are_a_dataset_opsd_reads(tmp_path):
+    import re
+
+    import opsd
+
+    block = re.search(r"```json\n(.*?)```", (ROOT / "README.md").read_text(), re.S).group(1)
+    path = tmp_path / "mine.jsonl"
+    path.write_text(block)
+    rows = opsd.load_rows(str(path), "train", "problem", "solution")
+    assert len(rows) == 3 and all(problem and solution for problem, solution in rows)
+    assert all(opsd.extract_boxed(solution) for _, solution in rows)  # --teacher-context answer reads them too
