@@ -137,3 +137,11 @@ def test_a_chat_template_that_ignores_enable_thinking_is_named(tiny_model_dir, t
     assert (f"warning: the chat template of --model {plain} ignores enable_thinking (its prompts render the same "
             "with it on and off), so --student-thinking and --teacher-thinking change nothing") in out
     assert "student (--no-student-thinking): the same prompt with enable_thinking True" in out
+
+
+def test_its_own_flags_are_refused_in_one_sentence(capsys):
+    with pytest.raises(SystemExit) as stop:
+        preflight.main(["--gpu", "a100", "--"])
+    assert stop.value.code == 2
+    assert capsys.readouterr().err == ("preflight.py: error: argument --gpu: invalid choice: 'a100' (choose from "
+                                       "'h100', 'h200', 'h100-pcie')\n")

@@ -49,13 +49,19 @@ import opsd  # noqa: E402
 LOGIT_FIELDS = ("final_logit_softcapping", "logit_scale", "logits_scaling")  # as opsd.check_model
 
 
+def refuse(message):
+    """argparse's refusals of preflight.py's own flags: one sentence, exit status 2."""
+    print(f"preflight.py: error: {message}", file=sys.stderr)
+    raise SystemExit(2)
+
+
 def parse_own(argv):
     p = argparse.ArgumentParser(
         prog="preflight.py",
         description="Would an opsd.py run start, and its memory and hours, checked on a CPU before "
                     "renting GPUs: python tests/gpu_check/preflight.py [--gpu h100 --gpus 4] -- "
                     "<opsd.py's flags>")
-    p.error = budget.refuse  # argparse's refusals in one sentence (budget.py's, for its flags)
+    p.error = refuse
     p.add_argument("--gpu", default="h100", choices=list(budget.GPUS),
                    help="the GPU to rent (default: h100, the SXM card)")
     p.add_argument("--gpus", type=budget.AT_LEAST_1, default=4,
