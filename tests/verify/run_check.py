@@ -38,7 +38,7 @@ NORMALISATIONS = ("step", "answer", "micro-batch")
 MEANS = ("kl_mean", "kl_first_token", "kl_clipped_teacher_mass", "entropy_student", "entropy_teacher")
 SHARES = ("kl_frac_above_tau", "loss_frac_negative")
 FIGURES = ("loss", "grad_norm", *MEANS, *SHARES, "answer_tokens")
-REQUIRED_RUN = ("beta", "loss_temperature", "clip", "tau", "teacher", "lora")
+REQUIRED_RUN = ("beta", "loss_temperature", "clip", "tau", "teacher")  # and lora, unless a full fine-tune
 
 # Tolerances, for a trainer computing in float32 against this float64 recomputation (tests/test_run_oracle.py
 # holds opsd.py's float32 run to them): the loss, the gradient's norm and the means within 2e-4 relative (or 1e-7);
@@ -95,8 +95,10 @@ def read_dump(path):
         fail(path / "run.json", f"normalisation must be one of {NORMALISATIONS}")
     if run.get("normalisation") == "micro-batch" and not run.get("micro_batch_size"):
         fail(path / "run.json", "the micro-batch normalisation needs micro_batch_size")
-    if not all(key in run["lora"] for key in ("r", "alpha")):
-        fail(path / "run.json", "lora needs r and alpha")
+    if run.get("lora") is None:
+        run["lora"] = None  # a full fine-tune: the trained weights themselves are dumped (model.safetensors)
+    elif not all(key in run["lora"] for key in ("r", "alpha")):
+        fail(path / "run.json", "lora needs r and alpha (or, for a full fine-tune, no lora at all)")
     ranks = len(list(path.glob("rank*.jsonl")))
     if not ranks or any(not (path / f"rank{r}.jsonl").is_file() for r in range(ranks)):
         fail(path, "the rows must be in rank0.jsonl, rank1.jsonl, ... one file a rank")
@@ -146,8 +148,24 @@ def read_adapter(directory):
     return {n: (pair["A"], pair["B"]) for n, pair in pairs.items()}
 
 
-def read_moments(path):
-    """({module name: ((m_A, v_A), (m_B, v_B))} in float64, the optimizer steps taken before), or None."""
+def read_weights(directory):
+    """{parameter name: (W,)} in float64 from a full fine-tune's model.safetensors (the trained parameters under
+    the model's own names, e.g. model.layers.0.mlp.up_proj.weight), or None where there is none."""
+    file = Path(directory) / "model.safetensors"
+    if not file.is_file():
+        return None
+    return {name: (t.double(),) for name, t in load_file(str(file)).items()}
+
+
+def read_state(directory, run):
+    """What the student trains, in float64: a LoRA's {module: (A, B)}, or a full fine-tune's {parameter: (W,)};
+    None where the directory holds none."""
+    return read_adapter(directory) if run["lora"] else read_weights(directory)
+
+
+def read_moments(path, full=False):
+    """({module name: ((m_A, v_A), (m_B, v_B))} in float64 (full: {parameter name: ((m, v),)}), the optimizer
+    steps taken before), or None."""
     if not Path(path).is_file():
         return None
     with safe_open(str(path), framework="pt") as f:
@@ -155,6 +173,11 @@ def read_moments(path):
         tensors = {k: f.get_tensor(k).double() for k in f.keys()}
     if "steps_before" not in meta:
         fail(path, "no steps_before in its metadata")
+    if full:
+        names = [k[:-len(".exp_avg")] for k in tensors if k.endswith(".exp_avg")]
+        if len(tensors) != 2 * len(names) or any(n + ".exp_avg_sq" not in tensors for n in names):
+            fail(path, "every tensor must be <parameter name>.exp_avg with its .exp_avg_sq beside it")
+        return {n: ((tensors[n + ".exp_avg"], tensors[n + ".exp_avg_sq"]),) for n in names}, int(meta["steps_before"])
     moments = {}
     for key in tensors:
         if not key.endswith(".exp_avg_sq"):
@@ -177,10 +200,14 @@ def load_model(model_dir):
     return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float64).eval()
 
 
-def answer_logits(model, lora, scale, prompt, completion):
+def answer_logits(model, state, scale, prompt, completion):
     """(len(completion), V) float64 logits predicting each answer token: the output at the token before it, the
-    row alone (position ids 0, 1, ...), each LoRA module's weight W + scale B A (lora None: the base model)."""
-    weights = {f"{n}.weight": model.get_submodule(n).weight + scale * B @ A for n, (A, B) in (lora or {}).items()}
+    row alone (position ids 0, 1, ...), each LoRA module's weight W + scale B A (scale None: a full fine-tune's
+    weights in place of the model's; state None: the base model)."""
+    if scale is None:
+        weights = {n: w for n, (w,) in (state or {}).items()}
+    else:
+        weights = {f"{n}.weight": model.get_submodule(n).weight + scale * B @ A for n, (A, B) in (state or {}).items()}
     ids = torch.tensor([prompt + completion])
     out = torch.func.functional_call(model, weights, (ids,), {"use_cache": False}).logits[0]
     return out[len(prompt) - 1:len(prompt) - 1 + len(completion)]
@@ -234,10 +261,10 @@ class StepResult(NamedTuple):
 def recompute_step(model, run, ranks, student, teacher):
     """A step from its rows (ranks: [[row] of each rank]), the student's LoRA as it began ({module: (A, B)}) and
     the teacher's (None: the base model). The gradient is the loss's with respect to the student's A and B."""
-    scale = run["lora"]["alpha"] / run["lora"]["r"]
+    scale = run["lora"]["alpha"] / run["lora"]["r"] if run["lora"] else None
     T, tau, beta, clip = run["loss_temperature"], run["tau"], run["beta"], run["clip"]
     skip = run.get("skip_first_tokens", 0)
-    leaves = {n: (A.clone().requires_grad_(), B.clone().requires_grad_()) for n, (A, B) in student.items()}
+    leaves = {n: tuple(t.clone().requires_grad_() for t in group) for n, group in student.items()}
     params = [p for pair in leaves.values() for p in pair]
     weights = row_weights(ranks, skip, run.get("micro_batch_size"))
     flat = {name: [torch.zeros_like(p) for p in params] for name in weights}
@@ -280,7 +307,10 @@ def recompute_step(model, run, ranks, student, teacher):
     if skip:  # two ways to get the skip wrong: keep the first positions, or count them in the denominator
         losses["skip ignored"] = sums["kept_all"] / n
         losses["skip counted"] = sums["kept"] / n
-    grads = {name: {m: (g[2 * j], g[2 * j + 1]) for j, m in enumerate(leaves)} for name, g in flat.items()}
+    starts = [0]
+    for group in leaves.values():
+        starts.append(starts[-1] + len(group))
+    grads = {name: {m: tuple(g[starts[j]:starts[j + 1]]) for j, m in enumerate(leaves)} for name, g in flat.items()}
     norms = {name: math.sqrt(sum((g ** 2).sum().item() for g in gs)) for name, gs in flat.items()}
     norm = run.get("normalisation", "step")
     figures = {"loss": losses[norm], "grad_norm": norms[norm], "kl_mean": sums["kl"] / n,
@@ -407,11 +437,17 @@ def compare_update(step, before, after, moments, result, run, lr):
     def slack(normalisation, clipped=True):
         """Per element, how far the step moves when its gradient is off by GRAD_ERROR x the gradient's norm, as a
         float32 gradient's may be: where the gradient is near AdamW's eps (on the first step it takes
-        lr g / (|g| + eps)), its rounding moves the step by more than a thousandth of lr."""
+        lr g / (|g| + eps)), its rounding moves the step by more than a thousandth of lr. A full fine-tune's
+        weights are dumped rounded to float32, which moves their change by up to 2^-24 x (|before| + |after|):
+        far more than a thousandth of a small step where a weight is large."""
         centre = predicted(normalisation, clipped)[0]
         up, down = (predicted(normalisation, clipped, shift)[0] for shift in (GRAD_ERROR, -GRAD_ERROR))
-        return {n: tuple(torch.maximum((up[n][j] - c).abs(), (down[n][j] - c).abs()) for j, c in enumerate(pair))
-                for n, pair in centre.items()}
+        out = {n: tuple(torch.maximum((up[n][j] - c).abs(), (down[n][j] - c).abs()) for j, c in enumerate(pair))
+               for n, pair in centre.items()}
+        if run["lora"] is None:
+            out = {n: tuple(e + 2.0 ** -24 * (p.abs() + q.abs()) for e, p, q in zip(group, before[n], after[n]))
+                   for n, group in out.items()}
+        return out
 
     want, factor = predicted(norm)
     outside, total, largest, share = change_misses(before, after, want, lr, slack(norm))
@@ -443,7 +479,8 @@ def compare_adapters(name, got, want, what):
 
 
 def check_structure(dump, model, adapter):
-    """[Check] of the dump's rows (no teacher prompt the student's) and of an adapter against the model."""
+    """[Check] of the dump's rows (no teacher prompt the student's) and of an adapter (or a full fine-tune's
+    weights) against the model."""
     steps = sorted(dump.rows)
     counts = sorted({len(rows) for per_rank in dump.rows.values() for rows in per_rank})
     same = [(s, r, i) for s in steps for r, rows in enumerate(dump.rows[s]) for i, row in enumerate(rows)
@@ -459,6 +496,14 @@ def check_structure(dump, model, adapter):
         rows = Check("rows", "matches", [head + "; every teacher prompt differs from its student's"])
     if adapter is None:
         return [rows]
+    if dump.run["lora"] is None:
+        params = dict(model.named_parameters())
+        problems = [f"{n}: no parameter of the model" if n not in params else
+                    f"{n}: {tuple(w.shape)}, the model's {tuple(params[n].shape)}" for n, (w,) in adapter.items()
+                    if n not in params or w.shape != params[n].shape]
+        size = sum(w.numel() for (w,) in adapter.values())
+        head = f"a full fine-tune: {len(adapter)} of the model's {len(params)} parameters trained ({size:,} weights)"
+        return [rows, Check("weights", "differs" if problems else "matches", [head, *problems[:6]])]
     r, problems = dump.run["lora"]["r"], []
     for name, (A, B) in adapter.items():
         try:
@@ -486,16 +531,16 @@ def check(dump, model, steps=None):
     """([Check], {step: StepResult}) of a Dump, with the model in float64: every step with a LoRA before it (or
     those of `steps`) recomputed and compared."""
     run, path = dump.run, dump.path
-    before = {s: read_adapter(path / f"step-{s}" / "before") for s in sorted(dump.rows)}
+    before = {s: read_state(path / f"step-{s}" / "before", run) for s in sorted(dump.rows)}
     done = [s for s in sorted(dump.rows) if before[s] is not None and (steps is None or s in steps)]
     checks = check_structure(dump, model, before[done[0]] if done else None)
     untouched = [s for s in sorted(dump.rows) if s not in done and (steps is None or s in steps)]
     if untouched:
-        checks.append(Check("steps", "not checked", [f"steps {', '.join(map(str, untouched))}: no "
-                                                     "step-<s>/before adapter, nothing to recompute them from"]))
+        checks.append(Check("steps", "not checked", [f"steps {', '.join(map(str, untouched))}: no step-<s>/before "
+                                                     "adapter (or weights), nothing to recompute them from"]))
     results, teachers = {}, {}
     for s in done:
-        teachers[s] = read_adapter(path / f"step-{s}" / "teacher") if run["teacher"] == "ema" else None
+        teachers[s] = read_state(path / f"step-{s}" / "teacher", run) if run["teacher"] == "ema" else None
         # the teacher: the base model, the student's LoRA, or the EMA's (the student's own before the EMA exists)
         teacher = {"base": None, "current": before[s],
                    "ema": before[s] if teachers[s] is None else teachers[s]}[run["teacher"]]
@@ -506,11 +551,11 @@ def check(dump, model, steps=None):
             got = {}
         else:
             checks += compare_figures(s, got, result, run)
-        after = read_adapter(path / f"step-{s}" / "after")
+        after = read_state(path / f"step-{s}" / "after", run)
         if after is not None:
-            moments = read_moments(path / f"step-{s}" / "optimizer.safetensors")
+            moments = read_moments(path / f"step-{s}" / "optimizer.safetensors", full=run["lora"] is None)
             checks.append(compare_update(s, before[s], after, moments, result, run, got.get("lr")))
-            following = read_adapter(path / f"step-{s + 1}" / "before")
+            following = read_state(path / f"step-{s + 1}" / "before", run)
             if following is not None:
                 checks.append(compare_adapters(f"step {s} after", following, after,
                                                f"the adapter after step {s} and the one before step {s + 1}"))

@@ -25,13 +25,14 @@ FIXTURE = HERE / "fixture.json"
 SIDES = ("student", "teacher")
 CLIPS = ("none", "entry", "token")
 
-# Tolerances, for a peer computing in float32 (the model's dtype) against this float64 reference. Measured on
-# fixture.json with a float32 port (tests/test_verify.py), at every setting and clip: |delta log p| up to 3.8e-5
-# (any vocabulary entry); per-position divergences up to 3e-6 apart below 0.1, 3.6e-5 relative above; losses
-# 2.2e-6 relative. Each bound is ten times that or more; the loss's normalisations differ by 46 times it or more.
-TOL_LOGPROB = 5e-4  # the largest |delta log p| over the vocabulary at a position
-TOL_DIVERGENCE = (3e-5, 3e-4)  # absolute, relative
-TOL_LOSS = 2e-5  # relative
+# Tolerances, for a peer computing in float32 (the model's dtype) against this float64 reference, from
+# tolerances.py: a float32 peer with left padding and no position ids (its rows' position ids shifted by their pad
+# counts, which moves rotary rounding), over every setting and clip of fixture.json, errs by up to 2.4e-4 in log p
+# (any vocabulary entry), 5.7e-6 on a divergence below 0.1 and 6.8e-5 relative above, 7.0e-6 relative on the loss.
+# The tolerances are 10, 10, 10 and 7 times those; the loss's normalisations differ by 14 times its tolerance or more.
+TOL_LOGPROB = 2.5e-3  # the largest |delta log p| over the vocabulary at a position
+TOL_DIVERGENCE = (6e-5, 7e-4)  # absolute, relative
+TOL_LOSS = 5e-5  # relative
 # A pad-predicted first position: its error is this many times the largest error at the row's other positions
 PAD_FIRST_RATIO = 10.0
 
@@ -89,6 +90,37 @@ def divergence(log_s, log_t, *, beta, clip, tau):
         return d.clamp(max=tau).sum(-1)
     k = d.sum(-1)
     return k.clamp(max=tau) if clip == "token" else k
+
+
+# What the field also computes (recognised where a divergence differs): the divergence over one side's top k
+# entries, renormalised over them or with one more entry for the rest of each side's mass; and a sampled-token
+# estimate, one value from the answer token y alone.
+
+def top_k_log_probs(log_s, log_t, k, tail, order):
+    """Both sides' (..., k) log-probs on the top k entries of one side, renormalised over them (tail False) or
+    (..., k + 1) with a last entry log(1 - their mass) holding the rest (tail True). order: (..., >= k) that
+    side's entries, largest first (its argsort, descending)."""
+    out = []
+    for log_p in (log_s, log_t):
+        top = log_p.gather(-1, order[..., :k])
+        mass = torch.logsumexp(top, -1, keepdim=True)
+        if tail:
+            out.append(torch.cat([top, torch.log(-torch.expm1(mass.clamp(max=0.0)))], -1))
+        else:
+            out.append(top - mass)
+    return out
+
+
+def sampled_token(log_s, log_t, tokens, *, beta, clip, tau, form):
+    """(L,) one value per position from the sampled token y = tokens alone: form "term", the divergence's own
+    term d_y; "log-ratio", log p_S(y) - log p_T(y) (the one-sample estimate of the reverse KL). A clip (entry or
+    token: one entry, so the same) bounds it at tau."""
+    y = torch.as_tensor(tokens)[:, None]
+    if form == "term":
+        value = divergence_terms(log_s, log_t, beta).gather(-1, y)[:, 0]
+    else:
+        value = (log_s.gather(-1, y) - log_t.gather(-1, y))[:, 0]
+    return value if clip == "none" else value.clamp(max=tau)
 
 
 NORMALISATIONS = ("step", "micro-batch", "answer")
@@ -245,6 +277,7 @@ class Dump(NamedTuple):
     micro_batch_size: int | None
     rows: dict  # {row: {name: tensor}}
     batches: dict  # {(micro-batch, side): {name: tensor}}
+    logits: str | None = None  # "raw" (before the temperature) or "divided" (already divided by it); None: unsaid
 
 
 ROW_TENSORS = ("student_logprobs", "teacher_logprobs", "student_logits", "teacher_logits", "divergence",
@@ -253,7 +286,7 @@ BATCH_TENSORS = ("input_ids", "attention_mask", "position_ids", "answer_mask", "
 
 
 def write_dump(path, *, setting, clip, rows, loss=None, normalisation=None, micro_batch_size=None,
-               batches=None):
+               batches=None, logits=None):
     """Write a dump: rows {fixture row: {name: tensor}} (names in ROW_TENSORS), batches {(k, side): {name:
     tensor}} (names in BATCH_TENSORS), the rest as text in the file's metadata."""
     from safetensors.torch import save_file
@@ -268,6 +301,8 @@ def write_dump(path, *, setting, clip, rows, loss=None, normalisation=None, micr
         meta["normalisation"] = normalisation
     if micro_batch_size is not None:
         meta["micro_batch_size"] = str(micro_batch_size)
+    if logits is not None:
+        meta["logits"] = logits
     save_file(tensors, str(path), metadata=meta)
 
 
@@ -291,9 +326,12 @@ def read_dump(path):
             batches.setdefault((int(head[5:]), side), {})[tensor] = t
         else:
             raise SystemExit(f"verify.py: {path} holds {name!r}, which is no tensor of a dump (README.md).")
+    if meta.get("logits", "raw") not in ("raw", "divided"):
+        raise SystemExit(f"verify.py: {path}: its metadata's logits is {meta['logits']!r}; say 'raw' (before the "
+                         "temperature) or 'divided' (already divided by it).")
     size = meta.get("micro_batch_size")
     return Dump(meta["setting"], meta["clip"], float(meta["loss"]) if "loss" in meta else None,
-                meta.get("normalisation"), int(size) if size else None, rows, batches)
+                meta.get("normalisation"), int(size) if size else None, rows, batches, meta.get("logits"))
 
 
 # -----------------------------------------------------------------------------
@@ -337,7 +375,22 @@ CAUSES = {
                       "(compare your ids with each row's student_prompt_ids)",
     "prompt:teacher": "the teacher's prompt differs from the fixture's: every position of those rows differs "
                       "(compare your ids with each row's teacher_prompt_ids)",
+    "logits:divided": "these logits are already divided by the temperature, though the dump's metadata (or the "
+                      "other side) says raw: dump both sides alike and say which in the metadata's logits",
+    "top-k:student:renormalised": "the divergence is taken over the student's top k entries only, both sides' "
+                                  "probabilities renormalised over them",
+    "top-k:student:tail": "the divergence is taken over the student's top k entries and one more entry holding "
+                          "the rest of each side's mass",
+    "top-k:teacher:renormalised": "the divergence is taken over the teacher's top k entries only, both sides' "
+                                  "probabilities renormalised over them",
+    "top-k:teacher:tail": "the divergence is taken over the teacher's top k entries and one more entry holding "
+                          "the rest of each side's mass",
+    "sampled-token:term": "each position's value is the divergence's term at the sampled answer token alone, "
+                          "not the sum over the vocabulary",
+    "sampled-token:log-ratio": "each position's value is log p_S(y) - log p_T(y) at the sampled answer token y "
+                               "(a one-sample estimate of the reverse KL), not the divergence over the vocabulary",
 }
+
 
 
 class Check(NamedTuple):
@@ -345,6 +398,7 @@ class Check(NamedTuple):
     status: str  # "matches", "differs" or "not checked"
     lines: list
     causes: list  # keys of CAUSES
+    notes: dict = {}  # {cause: what the numbers say of it, e.g. the k of a top-k divergence}
 
 
 def span(rows):
@@ -398,7 +452,8 @@ def diagnose(hypotheses, errors, matched, lengths, shorter):
     where = side_of(pad_first, shorter) if pad_first else None
     if where:
         of = f" ({len(pad_first)} of the {len(shorter[where])} shorter rows)" if where in shorter else ""
-        lines.append(f"the first position of {span(pad_first)}{of} differs, by up to "
+        against = "the fixture's" if best == asked else f"those of {best}"
+        lines.append(f"the first position of {span(pad_first)}{of} differs from {against} by up to "
                      f"{max(float(err[r][0]) for r in pad_first):.3g}, their other positions by at most "
                      f"{max(rest(r) for r in pad_first):.1e}")
         causes += side_causes("pad-first", where)
@@ -428,10 +483,11 @@ def max_error(per_row):
     return max((float(e.max()) for e in per_row.values() if len(e)), default=0.0)
 
 
-def compare_side(ref, dump, side, setting, size):
-    """Check: the side's log-probs (or logits) at every answer position, against the reference's, and
-    against what a temperature of 1, positions shifted by one, or position ids counted over the pads of
-    micro-batches of `size` rows would give."""
+def compare_side(ref, dump, side, setting, size, divided=False, inferred=False):
+    """Check: the side's log-probs (or logits: raw, or already divided by the temperature when `divided`;
+    `inferred`: the form read from the numbers, the dump not saying) at every answer position, against the
+    reference's, and against what a temperature of 1, positions shifted by one, or position ids counted over
+    the pads of micro-batches of `size` rows would give."""
     name = f"{side} log-probs"
     key = next((k for k in (f"{side}_logprobs", f"{side}_logits") if all(k in t for t in dump.rows.values())),
                None)
@@ -439,17 +495,22 @@ def compare_side(ref, dump, side, setting, size):
         return Check(name, "not checked", [f"the dump holds no {side}_logprobs (nor {side}_logits) for "
                                            "every row"], [])
     T = setting["temperature"]
-    logits = key.endswith("logits")  # the temperature cannot be seen in raw logits
-    temps = [1.0] if logits else ([T, 1.0] if T != 1.0 else [T])
-    hypotheses = {"the fixture": ({"temperature": temps[0]}, [])}  # name: (log_probs' arguments, causes)
-    for t in temps:
+    logits = key.endswith("logits")
+    # [(the temperature its log-softmax is compared at, the cause when it is another's)], the asked one first.
+    # Raw logits hide the temperature; logits already divided by it show it, as log-probs do.
+    if logits and not divided:
+        temps = [(1.0, None)] + ([(T, "logits:divided")] if T != 1.0 else [])
+    else:
+        temps = [(T, None)] + ([(1.0, f"temperature:{side}")] if T != 1.0 else [])
+    hypotheses = {"the fixture": ({"temperature": temps[0][0]}, [])}  # name: (log_probs' arguments, causes)
+    for t, cause in temps:
         for offset in (0, 1, -1):
-            label = ", ".join(filter(None, [f"temperature {t:g}" if t != temps[0] else "",
+            label = ", ".join(filter(None, [f"temperature {t:g}" if cause else "",
                                             f"positions shifted by {offset:+d}" if offset else ""]))
-            causes = ([f"temperature:{side}"] if t != temps[0] else []) + ([f"shift:{offset:+d}"] if offset else [])
             if label:
-                hypotheses[label] = ({"temperature": t, "offset": offset}, causes)
-    hypotheses["position ids counted over the pads"] = ({"temperature": temps[0], "padded": size},
+                hypotheses[label] = ({"temperature": t, "offset": offset},
+                                     ([cause] if cause else []) + ([f"shift:{offset:+d}"] if offset else []))
+    hypotheses["position ids counted over the pads"] = ({"temperature": temps[0][0], "padded": size},
                                                         [f"position-ids:{side}"])
     errors, matched = {h: {} for h in hypotheses}, {h: {} for h in hypotheses}
     lines = []
@@ -468,20 +529,108 @@ def compare_side(ref, dump, side, setting, size):
         return Check(name, "differs", lines, [])
     found, causes = diagnose({h: c for h, (_, c) in hypotheses.items()}, errors, matched, ref.lengths,
                              {side: ref.shorter(side, size)})
-    unit = "raw logits (log-softmaxed: the temperature is not seen in them)" if logits else \
-        f"log-probs at temperature {T:g}"
+    if logits:
+        unit = (f"logits already divided by T = {T:g}" if divided else
+                "raw logits (before the temperature, which cannot be seen in them)") + \
+            (" (read from the numbers: say which in the dump's metadata logits)" if inferred and T != 1.0 else "") + \
+            ", log-softmaxed"
+    else:
+        unit = f"log-probs at temperature {T:g}"
     ok = not causes and found[0].startswith("all")
     head = f"{unit}, |delta log p| within {TOL_LOGPROB:g}: {found[0]}"
     return Check(name, "matches" if ok else "differs", [head, *found[1:]], causes)
+
+
+def logits_form(ref, dump, setting):
+    """(divided, inferred): whether the dumped logits are already divided by the temperature, and whether that
+    was read from the numbers (the metadata not saying). Read from the numbers, both sides together: the form
+    under which more of their positions match the reference (a tie, e.g. one side each, reads as divided: a
+    peer that divides its logits by T and forgets one side)."""
+    if dump.logits is not None:
+        return dump.logits == "divided", False
+    T = setting["temperature"]
+    sides = [s for s in SIDES if dump.rows and all(f"{s}_logits" in t and f"{s}_logprobs" not in t
+                                                    for t in dump.rows.values())]
+    if T == 1.0 or not sides:
+        return False, False
+    count = {}
+    for t in (1.0, T):
+        count[t] = 0
+        for side in sides:
+            for row, tensors in dump.rows.items():
+                x = tensors[f"{side}_logits"].double()
+                if row < len(ref.rows) and tuple(x.shape) == (ref.lengths[row], ref.logits[side][row].shape[-1]):
+                    e = (torch.log_softmax(x, -1) - ref.log_probs(side, row, t)).abs().amax(-1)
+                    count[t] += int((e <= TOL_LOGPROB).sum())
+    return count[T] >= count[1.0] and count[T] > 0, True
 
 
 def close(a, b):
     return (a - b).abs() <= TOL_DIVERGENCE[0] + TOL_DIVERGENCE[1] * b.abs()
 
 
-def own_log_probs(dump, setting):
-    """{side: {row: (L, V)}} the log-probs the dump's own numbers give at the loss temperature, or None."""
-    T = setting["temperature"]
+TOP_K_GRID = (1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 20, 25, 32, 50, 64, 100, 128, 200, 256, 400)
+
+
+def field_forms(log_s, log_t, rows, peer, count, *, beta, clip, tau, tie):
+    """{label: (causes, {row: (L,)}, note)}: what the field computes besides the divergence over the whole
+    vocabulary, from log_s, log_t: {row: (L, V)} at the loss temperature: the sampled-token estimates, and the
+    top-k divergence that matches the peer's values `peer` ({row: (L,)}) at the most positions, over either
+    side's top k, renormalised or with a tail entry (k searched over TOP_K_GRID for the best of the four, then
+    the range of k that match as many positions, by bisection). Which entries make a top k is the peer's choice
+    where that side's k-th and (k + 1)-th log-probs lie within `tie` of each other: there the candidate is the
+    nearer to the peer's value of the two top k that hold one or the other. count({row: (L,)}): how many
+    positions a candidate matches."""
+    out = {}
+    for form in ("term", "log-ratio"):
+        for c in dict.fromkeys((clip, "none")):
+            values = {r: sampled_token(log_s[r], log_t[r], rows[r]["completion_ids"], beta=beta, clip=c, tau=tau,
+                                       form=form) for r in log_s}
+            what = "the divergence's term" if form == "term" else "log p_S(y) - log p_T(y)"
+            label = f"{what} at the sampled token y alone" + (", unclipped" if c != clip else "")
+            out[label] = ([f"sampled-token:{form}"] + ([f"clip:{c}"] if c != clip else []), values, None)
+    order = sorted(log_s)
+    lengths = [len(log_s[r]) for r in order]
+    S, T = torch.cat([log_s[r] for r in order]), torch.cat([log_t[r] for r in order])
+    P = torch.cat([peer[r] for r in order])
+    V = S.shape[-1]
+    ranked = {by: x.sort(dim=-1, descending=True, stable=True) for by, x in (("student", S), ("teacher", T))}
+
+    def at(by, tail, k):
+        values, indices = ranked[by]
+        d = divergence(*top_k_log_probs(S, T, k, tail, indices), beta=beta, clip=clip, tau=tau)
+        tied = (values[:, k - 1] - values[:, k]).abs() <= tie
+        if tied.any():  # the k-th and (k + 1)-th exchanged: the peer's top k may hold either
+            swapped = indices[tied].clone()
+            swapped[:, [k - 1, k]] = swapped[:, [k, k - 1]]
+            other = divergence(*top_k_log_probs(S[tied], T[tied], k, tail, swapped), beta=beta, clip=clip, tau=tau)
+            d[tied] = torch.where((P[tied] - other).abs() < (P[tied] - d[tied]).abs(), other, d[tied])
+        return dict(zip(order, d.split(lengths)))
+
+    grid = [k for k in TOP_K_GRID if k < V]
+    counts = {(by, tail, k): count(at(by, tail, k)) for by in SIDES for tail in (False, True) for k in grid}
+    by, tail, k = max(counts, key=counts.get)
+    top = counts[(by, tail, k)]
+
+    def edge(inside, outside):  # the last k from `inside` towards `outside` that matches `top` positions
+        while abs(outside - inside) > 1:
+            middle = (inside + outside) // 2
+            inside, outside = (middle, outside) if count(at(by, tail, middle)) == top else (inside, middle)
+        return inside
+
+    low = edge(k, max([g for g in grid if g < k and counts[(by, tail, g)] < top], default=0))
+    high = edge(k, min([g for g in grid if g > k and counts[(by, tail, g)] < top], default=V))
+    note = f"k = {k}" if low == high else f"k from {low} to {high}: these rows tell them apart no further"
+    label = f"the divergence over the {by}'s top k entries, " + \
+        ("with a tail entry for the rest" if tail else "renormalised over them") + f" ({note})"
+    out[label] = ([f"top-k:{by}:{'tail' if tail else 'renormalised'}"], at(by, tail, k), note)
+    return out
+
+
+def own_log_probs(dump, setting, divided=False):
+    """{side: {row: (L, V)}} the log-probs the dump's own numbers give at the loss temperature (from logits
+    already divided by it when `divided`), or None."""
+    T = 1.0 if divided else setting["temperature"]
     out = {}
     for side in SIDES:
         if all(f"{side}_logprobs" in t for t in dump.rows.values()):
@@ -493,7 +642,7 @@ def own_log_probs(dump, setting):
     return out
 
 
-def compare_divergence(ref, dump, setting, clip, size):
+def compare_divergence(ref, dump, setting, clip, size, divided=False):
     """Check: the per-position divergence, against the fixture's; the cause from the peer's own log-probs
     when it dumped them, else from the reference's alternatives."""
     name = "divergence"
@@ -514,6 +663,9 @@ def compare_divergence(ref, dump, setting, clip, size):
         matched = {h: {r: close(peer[r], v[r])[kept[r]] for r in peer} for h, v in alternatives.items()}
         return errors, matched
 
+    def matches(values):  # how many kept positions a candidate's values match
+        return sum(int(close(peer[r], values[r])[kept[r]].sum()) for r in peer)
+
     beta, T, tau = setting["beta"], setting["temperature"], setting["tau"]
     asked = {r: figures[clip][r] for r in peer}
     errors, matched = compare({"the fixture": asked})
@@ -526,28 +678,38 @@ def compare_divergence(ref, dump, setting, clip, size):
     if n == total:
         return Check(name, "matches", [head + f" (largest difference {max_error(errors['the fixture']):.1e})"],
                      []), peer
-    own = own_log_probs(dump, setting)
+    own = own_log_probs(dump, setting, divided)
     if own is not None:
         # the peer's own log-probs, each clip, and the roles swapped: what did it compute from them?
         alternatives = {}
         for c in (clip, *[c for c in CLIPS if c != clip]):
-            alternatives[f"clip {c!r} of your log-probs"] = (
+            alternatives[f"the clip {c!r} of your log-probs"] = (
                 {r: divergence(own["student"][r], own["teacher"][r], beta=beta, clip=c, tau=tau) for r in peer},
                 [] if c == clip else [f"clip:{c}"])
-        alternatives["your log-probs, roles swapped"] = (
+        alternatives["the divergence of your log-probs with the roles swapped"] = (
             {r: divergence(own["teacher"][r], own["student"][r], beta=beta, clip=clip, tau=tau) for r in peer},
             ["swapped"])
         errors, matched = compare({h: v for h, (v, _) in alternatives.items()})
         count = {h: sum(int(m.sum()) for m in matched[h].values()) for h in alternatives}
-        best = max(alternatives, key=lambda h: (count[h], h.startswith(f"clip {clip!r}")))
-        lines = [head]
+        best = max(alternatives, key=lambda h: (count[h], h.startswith(f"the clip {clip!r}")))
+        lines, notes = [head], {}
+        if count[best] < total:  # what the field computes besides: a top-k divergence, a sampled-token estimate
+            forms = field_forms(own["student"], own["teacher"], ref.rows, peer, matches, beta=beta, clip=clip,
+                                tau=tau, tie=0.0)  # a tie in the peer's own numbers is exact
+            for label, (causes, values, note) in forms.items():
+                alternatives[f"{label}, from your log-probs"] = (values, causes)
+                count[f"{label}, from your log-probs"] = matches(values)
+                if note:
+                    notes.update({c: note for c in causes})
+            best = max(alternatives, key=lambda h: (count[h], h.startswith(f"the clip {clip!r}")))
         if count[best] == total:
-            lines.append(f"every position equals the {best}: " + (
+            causes = alternatives[best][1]
+            lines.append(f"every position equals {best}: " + (
                 "computed as asked from your log-probs, so the differences come from the log-probs (above)"
-                if not alternatives[best][1] else CAUSES[alternatives[best][1][0]]))
-            return Check(name, "differs", lines, alternatives[best][1]), peer
-        lines.append(f"your divergence is none of the clips of your own log-probs ({count[best]} of {total} "
-                     f"positions match the {best})")
+                if not causes else CAUSES[causes[0]]))
+            return Check(name, "differs", lines, causes, {c: n for c, n in notes.items() if c in causes}), peer
+        lines.append(f"your divergence is none of the clips of your own log-probs, nor a top-k divergence or a "
+                     f"sampled-token estimate of them ({count[best]} of {total} positions match {best})")
         return Check(name, "differs", lines, []), peer
     # no log-probs: the reference's alternatives
     hyps = {"the fixture": (asked, [])}
@@ -570,10 +732,19 @@ def compare_divergence(ref, dump, setting, clip, size):
         hyps[f"position ids counted over the pads ({' and '.join(sides)})"] = (
             ref.divergences(beta=beta, temperature=T, clip=clip, tau=tau, padded=sides, size=size),
             [f"position-ids:{s}" for s in sides])
+    reference = {side: {r: ref.log_probs(side, r, T) for r in peer} for side in SIDES}
+    notes = {}
+    for label, (causes, values, note) in field_forms(reference["student"], reference["teacher"], ref.rows, peer,
+                                                     matches, beta=beta, clip=clip, tau=tau,
+                                                     tie=TOL_LOGPROB).items():
+        hyps[label] = (values, causes)
+        if note:
+            notes.update({c: note for c in causes})
     errors, matched = compare({h: {r: v[r] for r in peer} for h, (v, _) in hyps.items()})
     found, causes = diagnose({h: c for h, (_, c) in hyps.items()}, errors, matched, lengths,
                              {side: ref.shorter(side, size) for side in SIDES})
-    return Check(name, "differs", [head, *found[1:]] if found else [head], causes), peer
+    return Check(name, "differs", [head, *found[1:]] if found else [head], causes,
+                 {c: n for c, n in notes.items() if c in causes}), peer
 
 
 def setting_figures(ref, setting):
@@ -582,7 +753,7 @@ def setting_figures(ref, setting):
                                tau=setting["tau"]) for c in CLIPS}
 
 
-def compare_loss(ref, dump, setting, clip, peer_values):
+def compare_loss(ref, dump, setting, clip, peer_values, divided=False):
     """Check: the loss, against the fixture's; the normalisation from the peer's own per-position values
     (or the fixture's when it dumped none)."""
     name = "loss"
@@ -591,7 +762,7 @@ def compare_loss(ref, dump, setting, clip, peer_values):
     expected = ref.fixture["expected"][dump.setting][clip]["loss"] if ref.fixture else None
     skip = setting["skip_first_tokens"]
     if peer_values is None or len(peer_values) != len(ref.rows):
-        own = own_log_probs(dump, setting) if len(dump.rows) == len(ref.rows) else None
+        own = own_log_probs(dump, setting, divided) if len(dump.rows) == len(ref.rows) else None
         if own is not None:
             peer_values = {r: divergence(own["student"][r], own["teacher"][r], beta=setting["beta"], clip=clip,
                                          tau=setting["tau"]) for r in own["student"]}
@@ -690,11 +861,47 @@ def verify(dump, ref):
                          "(a peer without a clip compares with 'none').")
     setting = settings[dump.setting]
     size = dump.micro_batch_size or ref.micro_batch_size
+    divided, inferred = logits_form(ref, dump, setting)
     checks = [compare_batches(dump), compare_prompts(ref, dump)]
-    checks += [compare_side(ref, dump, side, setting, size) for side in SIDES]
-    divergence_check, values = compare_divergence(ref, dump, setting, dump.clip, size)
-    checks += [divergence_check, compare_loss(ref, dump, setting, dump.clip, values)]
-    return checks
+    sides = [compare_side(ref, dump, side, setting, size, divided, inferred) for side in SIDES]
+    if all("logits:divided" in c.causes for c in sides):  # the dump says raw; both sides show them divided
+        divided = True
+    checks += sides
+    divergence_check, values = compare_divergence(ref, dump, setting, dump.clip, size, divided)
+    checks += [divergence_check, compare_loss(ref, dump, setting, dump.clip, values, divided)]
+    return rule_out(checks, ruled_out(checks, dump, ref, size))
+
+
+def ruled_out(checks, dump, ref, size):
+    """{cause: the check that rules it out}: a side's prompt, when the prompts check matched with every row's
+    prompt on that side dumped; a side's pad-predicted first position and pad-counted position ids, when the
+    batch check matched with every micro-batch of that side dumped."""
+    status = {c.name: c.status for c in checks}
+    out = {}
+    for side in SIDES:
+        if status["prompts"] == "matches" and all(f"{side}_prompt_ids" in dump.rows.get(r, {})
+                                                  for r in range(len(ref.rows))):
+            out[f"prompt:{side}"] = "prompts"
+        if status["batch"] == "matches" and all((k, side) in dump.batches
+                                                for k in range(-(-len(ref.rows) // size))):
+            out.update({f"{kind}:{side}": "batch" for kind in ("pad-first", "position-ids")})
+    if all(f"{kind}:{side}" in out for side in SIDES for kind in ("pad-first",)):
+        out.update({"pad-first:either": "batch", "position-ids:either": "batch"})
+    return out
+
+
+def rule_out(checks, ruled):
+    """The checks with every cause in `ruled` taken out of their causes, a line saying so in its place: no cause
+    is named that a check which matched contradicts."""
+    out = []
+    for c in checks:
+        gone = [cause for cause in c.causes if cause in ruled]
+        if gone:
+            c = c._replace(causes=[cause for cause in c.causes if cause not in ruled],
+                           lines=c.lines + [f"not named: {cause}, which the {ruled[cause]} check (matched) rules "
+                                            "out" for cause in gone])
+        out.append(c)
+    return out
 
 
 def causes_of(checks):
@@ -709,7 +916,8 @@ def report(checks, dump, path):
     causes = causes_of(checks)
     if causes:
         out.append("Likely causes:")
-        out += [f"  - {c}: {CAUSES[c]}" for c in causes]
+        notes = {c: n for check in checks for c, n in check.notes.items()}
+        out += [f"  - {c}: {CAUSES[c]}" + (f" ({notes[c]})" if c in notes else "") for c in causes]
     elif any(c.status == "differs" for c in checks):
         out.append("No cause is identified by the numbers: see the differences above.")
     else:
