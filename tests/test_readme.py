@@ -192,3 +192,18 @@ def test_the_readme_example_rows_are_a_dataset_opsd_reads(tmp_path):
     rows = opsd.load_rows(str(path), "train", "problem", "solution")
     assert len(rows) == 3 and all(problem and solution for problem, solution in rows)
     assert all(opsd.extract_boxed(solution) for _, solution in rows)  # --teacher-context answer reads them too
+
+
+def test_the_readme_gap_and_noise_figures_recompute():
+    """The gap the step line warns above is opsd.GAP_ALARM's; the noise bullet's figures follow from its formula."""
+    import math
+
+    import opsd
+
+    readme = " ".join((ROOT / "README.md").read_text().split())
+    assert opsd.GAP_ALARM["bfloat16"] == 5e-2 and "the step line warns above 5e-2" in readme
+    # standard error of avg@12 over 30 problems, each p_i (1 - p_i) 0.12: sqrt(sum / 12) / 30, in points
+    stderr = 100 * math.sqrt(30 * 0.12 / 12) / 30
+    assert f"{stderr:.1f} if p_i (1 - p_i) averages 0.12" in readme
+    # two independent evaluations differ beyond noise at two standard errors of their difference
+    assert round(2 * math.sqrt(2) * 2) == 6 and "differ beyond noise about 6 points apart" in readme
