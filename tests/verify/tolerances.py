@@ -87,7 +87,7 @@ def main(argv=None):
     print(f"tolerances.py: a {dtype} peer, left padding, no position ids; fixture.json's 24 rows, every setting "
           "and clip")
     for key in worst:
-        print(f"  {what[key]:<52} largest {worst[key]:.2e}  tolerance {allowed[key]:.0e}  "
+        print(f"  {what[key]:<52} largest {worst[key]:.2e}  tolerance {allowed[key]:.1e}  "
               f"margin {allowed[key] / max(worst[key], 1e-300):.1f}x")
     return 0
 
