@@ -34,7 +34,6 @@ import sys
 import time
 import traceback
 import warnings
-import zlib
 from array import array
 from collections import deque
 from contextlib import contextmanager, nullcontext
@@ -70,19 +69,19 @@ def fail(message):
 
 
 class CollectiveError(RuntimeError):
-    """A collective failed: another rank is gone or cannot be reached."""
+    """A collective failed; its error, whole."""
 
 
 def all_reduce(tensor, op=dist.ReduceOp.SUM):
-    """Sum (or `op`) over ranks, in place."""
+    """Sum (or `op`) over ranks, in place; a world of one keeps its tensor."""
     if not dist.is_initialized():
         return tensor
     try:
         dist.all_reduce(tensor, op)
     except torch.OutOfMemoryError:
         raise
-    except RuntimeError as e:  # gloo: a lost peer or a timeout; NCCL: its error
-        raise CollectiveError(str(e).splitlines()[0]) from e
+    except RuntimeError as e:  # a lost or late peer (gloo); NCCL, a communicator, CUDA
+        raise CollectiveError(str(e)) from e
     return tensor
 
 
@@ -91,7 +90,7 @@ def all_reduce(tensor, op=dist.ReduceOp.SUM):
 # =============================================================================
 
 # -----------------------------------------------------------------------------
-# Prompts and batches: the released recipe's strings, rendered once to token ids
+# Prompts: the released recipe's strings, rendered once to token ids
 
 INSTRUCTION = "Please reason step by step, and put your final answer within \\boxed{}."
 TRANSITION = (
@@ -159,7 +158,7 @@ def shown_contexts(rows, shown, seed):
         return [(problem, None) for problem, _ in rows]
     if shown == "other":  # another row's reference, the same on every rank and resume
         if len(rows) < 2:
-            fail("--teacher-context other needs at least two rows.")
+            fail("--teacher-context other needs at least two rows: add rows to --dataset.")
         # one cycle through a seeded order: row order[i] gets the reference of row
         # order[i + 1], so no row gets its own
         order = list(range(len(rows)))
@@ -172,7 +171,7 @@ def shown_contexts(rows, shown, seed):
             answer = extract_boxed(reference)
             if answer is None:
                 fail(f"--teacher-context answer: row {number} ({problem[:40]!r}) has no "
-                     "\\boxed{} in its reference.")
+                     "\\boxed{} in its reference: add one, or drop the row.")
             answers.append((problem, f"\\boxed{{{answer}}}"))
         return answers
     return rows
@@ -218,33 +217,6 @@ def step_indices(step, prompts_per_step, num_prompts, seed):
             permutations[epoch] = torch.randperm(num_prompts, generator=generator).tolist()
         indices.append(permutations[epoch][i])
     return indices
-
-
-def build_batch(prompts, completions, pad_id, device):
-    """Model inputs of one micro-batch, and the mask of answer tokens (B, T).
-
-    Each row is [prompt | completion | pads], and positions come from the attention
-    mask, so every answer token sits at the position vLLM sampled it at. Pads go last:
-    a left pad is a query row whose keys are all masked, for which some CUDA attention
-    kernels return NaN, and the next layer spreads it to real tokens (0 x NaN). The
-    mask selects answer tokens row after row, so the student's and the teacher's
-    batches select the same tokens in the same order."""
-    B = len(prompts)
-    T = max(len(p) + len(c) for p, c in zip(prompts, completions))
-    input_ids = torch.full((B, T), pad_id, dtype=torch.long)
-    attention_mask = torch.zeros_like(input_ids)
-    completion_mask = torch.zeros_like(input_ids, dtype=torch.bool)
-    for row, (prompt, completion) in enumerate(zip(prompts, completions)):
-        P = len(prompt)
-        L = len(completion)
-        input_ids[row, :P + L] = torch.tensor(prompt + completion)
-        attention_mask[row, :P + L] = 1
-        completion_mask[row, P:P + L] = True
-    position_ids = attention_mask.cumsum(-1) - 1  # (B, T) 0 .. P + L - 1, then constant
-    inputs = {"input_ids": input_ids, "attention_mask": attention_mask,
-              "position_ids": position_ids}
-    inputs = {name: x.to(device) for name, x in inputs.items()}
-    return inputs, completion_mask.to(device)
 
 
 # -----------------------------------------------------------------------------
@@ -324,8 +296,7 @@ CPU_ENGINE = {"enforce_eager": True, "enable_chunked_prefill": False}
 
 
 def engine_environment(cpu):
-    """vLLM logs errors only (also two notices a CPU start prints early); on a CPU
-    its KV cache gets 1 GiB."""
+    """vLLM logs errors only; on a CPU its KV cache gets 1 GiB."""
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
     logging.getLogger("vllm.triton_utils.importing").setLevel(logging.ERROR)
     warnings.filterwarnings("ignore", r"`torch\.distributed\.reduce_op` is deprecated",
@@ -336,7 +307,8 @@ def engine_environment(cpu):
 
 def start_engine(args, device):
     """This rank's vLLM engine. Under torchrun every rank runs its own engine,
-    tensor-parallel 1, inside its own process ("external_launcher")."""
+    tensor-parallel 1, inside its own process ("external_launcher"). Its start-up
+    collectives wait --collective-timeout, like the run's own."""
     from vllm import LLM
     max_model_len = args.max_prompt_length + args.max_new_tokens
     extra = {"gpu_memory_utilization": args.vllm_memory}
@@ -345,12 +317,14 @@ def start_engine(args, device):
     launcher = None
     if WORLD_SIZE > 1:
         launcher = "external_launcher"
+    timeout = int(args.collective_timeout * 60)
     return LLM(
         model=args.model, dtype=args.dtype, max_model_len=max_model_len,
         seed=args.seed + RANK,  # every request has a seed: this one keeps others apart
         max_num_seqs=max(1, args.prompts_per_step // WORLD_SIZE),  # a step's, at once
         max_num_batched_tokens=max(max_model_len, 8192),  # at least one whole sequence
-        distributed_executor_backend=launcher, **extra)
+        distributed_executor_backend=launcher, distributed_timeout_seconds=timeout,
+        cpu_distributed_timeout_seconds=timeout, **extra)
 
 
 def sample(llm, prompts, seeds, args):
@@ -385,208 +359,7 @@ def push_weights(llm, model):
 
 
 def stop_engine(llm):
-    """Shut the engine down; vLLM's teardown also destroys the process group."""
     llm.llm_engine.engine_core.shutdown()
-
-
-# -----------------------------------------------------------------------------
-# The loss: a divergence per answer position between teacher and student
-
-CLIP_MODES = ("entry", "token", "none")
-
-
-def log_probs(student_logits, teacher_logits, temperature):
-    """(log p_S, log p_T) at the loss temperature, in float32: (..., V) each."""
-    log_s = F.log_softmax(student_logits.float() / temperature, dim=-1)
-    log_t = F.log_softmax(teacher_logits.float() / temperature, dim=-1)
-    return log_s, log_t
-
-
-def clipped_divergence(log_s, log_t, *, beta, clip, tau):
-    """token_divergence from the log-probs at the loss temperature, (..., V) each."""
-    if clip not in CLIP_MODES:
-        raise ValueError(f"clip must be one of {CLIP_MODES}, got {clip!r}.")
-    if not 0.0 <= beta <= 1.0:
-        raise ValueError(f"beta must lie in [0, 1], got {beta}.")
-    # per vocabulary entry v:
-    #   beta = 0:  d_v = p_T(v) (log p_T(v) - log p_S(v))              forward KL(T || S)
-    #   beta = 1:  d_v = p_S(v) (log p_S(v) - log p_T(v))              reverse KL(S || T)
-    #   else:      d_v = beta KL_v(T || m) + (1 - beta) KL_v(S || m),  m = beta p_T + (1 - beta) p_S
-    if beta == 0.0:
-        d = log_t.exp() * (log_t - log_s)
-    elif beta == 1.0:
-        d = log_s.exp() * (log_s - log_t)
-    else:
-        log_m = torch.logaddexp(log_t + math.log(beta), log_s + math.log(1.0 - beta))
-        d = beta * log_t.exp() * (log_t - log_m) + (1.0 - beta) * log_s.exp() * (log_s - log_m)
-    # entry clip (the released recipe): d_v <- min(d_v, tau), before the sum; a clamped
-    # entry gets no gradient
-    if clip == "entry":
-        d = d.clamp(max=tau)
-    k = d.sum(dim=-1)  # (...) k_n = sum_v d_v
-    # token clip: k_n * min(1, tau / k_n), the factor detached. The value is min(k_n, tau);
-    # the gradient keeps the true divergence's direction at every position, scaled down.
-    if clip == "token":
-        k = k * (tau / k.clamp(min=tau)).detach()
-    return k
-
-
-def token_divergence(student_logits, teacher_logits, *, beta=0.0, temperature=1.0,
-                     clip="entry", tau=0.05):
-    """Each position's loss term D(p_T || p_S) after clipping, in float32, from the
-    logits. Shapes (..., V) -> (...)."""
-    log_s, log_t = log_probs(student_logits, teacher_logits, temperature)
-    return clipped_divergence(log_s, log_t, beta=beta, clip=clip, tau=tau)
-
-
-class PositionStats(NamedTuple):
-    """Diagnostics per answer position, (N,) each, whatever the loss's beta and clip.
-    All but `logprob` are at the loss temperature."""
-    kl: torch.Tensor  # unclipped KL(p_T || p_S)
-    # the teacher's mass on the entries the entry clip clamps: the sum of p_T(v) over
-    # the v with p_T(v) (log p_T(v) - log p_S(v)) > tau
-    clipped_mass: torch.Tensor
-    logprob: torch.Tensor  # the student's raw log-prob of the sampled token (as vLLM's)
-    student_entropy: torch.Tensor  # H(p_S) = -sum_v p_S(v) log p_S(v)
-    teacher_entropy: torch.Tensor  # H(p_T)
-    # 1 where the loss term is below -1e-6 (the entry clip can make the sum negative),
-    # else 0; float32's rounding of a zero divergence does not count
-    negative: torch.Tensor
-
-
-@torch.no_grad()
-def divergence_stats(student_logits, log_s, log_t, targets, terms, *, tau):
-    """PositionStats of C positions from the student's raw logits (C, V), both sides'
-    log-probs at the loss temperature (C, V), the sampled tokens (C,) and the loss
-    terms (C,)."""
-    raw = student_logits.float()
-    logprob = raw.gather(-1, targets[:, None])[:, 0] - raw.logsumexp(-1)
-    p_t = log_t.exp()  # (C, V)
-    d = p_t * (log_t - log_s)  # (C, V) p_T(v) (log p_T(v) - log p_S(v))
-    kl = d.sum(-1)
-    clipped_mass = (p_t * (d > tau)).sum(-1)
-    student_entropy = -(log_s.exp() * log_s).sum(-1)
-    teacher_entropy = -(p_t * log_t).sum(-1)
-    negative = (terms < -1e-6).float()
-    return PositionStats(kl, clipped_mass, logprob, student_entropy, teacher_entropy,
-                         negative)
-
-
-def join_stats(stats, like):
-    """One PositionStats of a list of them (of none: empty tensors like `like`)."""
-    if not stats:
-        empty = like.new_zeros(0, dtype=torch.float32)
-        return PositionStats._make(empty for _ in PositionStats._fields)
-    return PositionStats(*(torch.cat(parts) for parts in zip(*stats)))
-
-
-def final_hidden(model, inputs):
-    """(B, T, H) hidden states after the final norm, before the lm_head: the loss
-    makes the logits itself, in chunks."""
-    return model.base_model(**inputs, use_cache=False).last_hidden_state
-
-
-def opsd_loss(student_hidden, student_mask, teacher_hidden, teacher_mask, lm_head_weight,
-              num_tokens, targets=None, *, loss_positions=None, beta=0.0, temperature=1.0,
-              clip="entry", tau=0.05, chunk_size=256):
-    """(loss, stats) of one micro-batch.
-
-    loss = the sum of token_divergence over the N masked positions / num_tokens (the
-    whole step's count, so that micro-batches and ranks add up to one big batch).
-    The hidden states (B, T, H) come before the frozen lm_head. Each mask (B, T)
-    selects the N positions whose hidden state predicts an answer token, in the same
-    order on both sides: the answer-token mask moved one position left, since the
-    hidden state at t predicts token t + 1. `loss_positions` (N,) leaves some out of
-    the loss; `targets` (N,), the sampled tokens, asks for `stats`, their PositionStats.
-
-    Logits exist for `chunk_size` positions at a time (C x V, never N x V). Each
-    chunk's gradient with respect to the student's hidden states is taken while its
-    logits exist, then attached to the graph by a surrogate whose value is exactly 0."""
-    hs = student_hidden[student_mask]  # (N, H)
-    ht = teacher_hidden[teacher_mask].detach()  # (N, H)
-    if hs.shape != ht.shape:
-        raise ValueError(f"Student and teacher masks select {hs.shape[0]} and "
-                         f"{ht.shape[0]} positions: must match.")
-    N = hs.shape[0]
-    keep = torch.ones(N, device=hs.device)  # (N,) 1: in the loss, 0: left out
-    if loss_positions is not None:
-        keep = loss_positions.float()
-    W = lm_head_weight.detach()  # (V, H)
-    need_grad = torch.is_grad_enabled() and hs.requires_grad
-    total = hs.new_zeros((), dtype=torch.float32)
-    grads = []
-    stats = []
-    for i in range(0, N, chunk_size):
-        h = hs[i:i + chunk_size].detach().requires_grad_(need_grad)  # (C, H)
-        teacher_logits = ht[i:i + chunk_size] @ W.T  # (C, V)
-        with torch.enable_grad() if need_grad else nullcontext():
-            student_logits = h @ W.T  # (C, V)
-            log_s, log_t = log_probs(student_logits, teacher_logits, temperature)
-            k = clipped_divergence(log_s, log_t, beta=beta, clip=clip, tau=tau)  # (C,)
-            k = k * keep[i:i + chunk_size]  # a position left out adds nothing, nor gradient
-            if need_grad:
-                grads.append(torch.autograd.grad(k.sum(), h)[0])
-        total = total + k.detach().sum()
-        if targets is not None:
-            stats.append(divergence_stats(student_logits.detach(), log_s.detach(),
-                                          log_t.detach(), targets[i:i + chunk_size],
-                                          k.detach(), tau=tau))
-    loss = total / max(num_tokens, 1)
-    if need_grad:  # also with no positions at all, so that backward runs on every rank
-        grad = torch.zeros_like(hs)  # (N, H) d sum_n k_n / d hs
-        if grads:
-            grad = torch.cat(grads)
-        surrogate = (hs * grad).sum() / max(num_tokens, 1)
-        loss = loss + (surrogate - surrogate.detach())
-    if targets is None:
-        return loss, None
-    return loss, join_stats(stats, hs)
-
-
-# -----------------------------------------------------------------------------
-# The KL diagnostic: the unclipped KL per answer position, over a window of tokens
-
-def diagnostic_sums(stats, sampler_logprobs, tau):
-    """This step's sums over all ranks, from this rank's PositionStats of its answers'
-    positions, in order, and vLLM's log-probs of the same tokens (one list per
-    answer). gap = |vLLM's log-prob - the trainer's|."""
-    kl = stats.kl
-    device = kl.device
-    gap = (stats.logprob - torch.tensor(sum(sampler_logprobs, []), device=device)).abs()
-    lengths = [len(lp) for lp in sampler_logprobs]
-    starts = [sum(lengths[:i]) for i, n in enumerate(lengths) if n]  # first positions
-    local = {"tokens": len(kl), "kl": kl.sum(), "above_tau": (kl > tau).sum(),
-             "clipped_mass": stats.clipped_mass.sum(), "first_kl": kl[starts].sum(),
-             "first_tokens": len(starts), "gap": gap.sum(),
-             "student_entropy": stats.student_entropy.sum(),
-             "teacher_entropy": stats.teacher_entropy.sum(), "negative": stats.negative.sum()}
-    values = torch.tensor([float(v) for v in local.values()], device=device)
-    sums = dict(zip(local, all_reduce(values).tolist()))
-    gap_max = kl.new_zeros(())
-    if len(gap):
-        gap_max = gap.max()
-    sums["gap_max"] = float(all_reduce(gap_max, dist.ReduceOp.MAX))
-    return sums
-
-
-WINDOW_KEYS = ("tokens", "kl", "above_tau", "clipped_mass", "first_kl", "first_tokens",
-               "student_entropy", "teacher_entropy", "negative")
-
-
-def kl_window_means(window, kl_window):
-    """Means over the newest steps that cover `kl_window` tokens. `window` holds
-    per-step sums, newest last; the steps no longer needed leave it."""
-    while len(window) > 1 and sum(w["tokens"] for w in list(window)[1:]) >= kl_window:
-        window.popleft()
-    w = {key: sum(step_sums[key] for step_sums in window) for key in WINDOW_KEYS}
-    tokens = max(w["tokens"], 1)
-    return {"kl_mean": w["kl"] / tokens, "kl_frac_above_tau": w["above_tau"] / tokens,
-            "kl_clipped_teacher_mass": w["clipped_mass"] / tokens,
-            "kl_first_token": w["first_kl"] / max(w["first_tokens"], 1),
-            "entropy_student": w["student_entropy"] / tokens,
-            "entropy_teacher": w["teacher_entropy"] / tokens,
-            "loss_frac_negative": w["negative"] / tokens,
-            "kl_window_tokens": int(w["tokens"])}
 
 
 # -----------------------------------------------------------------------------
@@ -641,8 +414,184 @@ def ema_update(ema, lora_params, decay):
 
 
 # -----------------------------------------------------------------------------
-# One optimizer step: forward and backward over micro-batches, gradients summed over
-# ranks; the learning-rate schedule
+# The loss, from the batch to one optimizer step's gradient. Read in this order:
+# the batch, the divergence at one position, the loss of a micro-batch (plain, then
+# chunked), one step over micro-batches and ranks, the logged KL.
+
+def build_batch(prompts, completions, pad_id, device):
+    """Model inputs of one micro-batch, and the mask of answer tokens (B, T).
+
+    Each row is [prompt | completion | pads], and positions come from the attention
+    mask, so every answer token sits at the position vLLM sampled it at. Pads go last:
+    a left pad is a query row whose keys are all masked, for which some CUDA attention
+    kernels return NaN, and the next layer spreads it to real tokens (0 x NaN). The
+    mask selects answer tokens row after row, so the student's and the teacher's
+    batches select the same tokens in the same order."""
+    B = len(prompts)
+    T = max(len(p) + len(c) for p, c in zip(prompts, completions))
+    input_ids = torch.full((B, T), pad_id, dtype=torch.long)
+    attention_mask = torch.zeros_like(input_ids)
+    completion_mask = torch.zeros_like(input_ids, dtype=torch.bool)
+    for row, (prompt, completion) in enumerate(zip(prompts, completions)):
+        P = len(prompt)
+        L = len(completion)
+        input_ids[row, :P + L] = torch.tensor(prompt + completion)
+        attention_mask[row, :P + L] = 1
+        completion_mask[row, P:P + L] = True
+    position_ids = attention_mask.cumsum(-1) - 1  # (B, T) 0 .. P + L - 1, then constant
+    inputs = {"input_ids": input_ids, "attention_mask": attention_mask,
+              "position_ids": position_ids}
+    inputs = {name: x.to(device) for name, x in inputs.items()}
+    return inputs, completion_mask.to(device)
+
+
+CLIP_MODES = ("entry", "token", "none")
+
+
+def log_probs(student_logits, teacher_logits, temperature):
+    """(log p_S, log p_T) at the loss temperature T, in float32: (..., V) each."""
+    log_s = F.log_softmax(student_logits.float() / temperature, dim=-1)
+    log_t = F.log_softmax(teacher_logits.float() / temperature, dim=-1)
+    return log_s, log_t
+
+
+def clipped_divergence(log_s, log_t, *, beta, clip, tau):
+    """Each position's loss term k from both sides' log-probs at the loss temperature:
+    (..., V) each -> (...)."""
+    # per vocabulary entry v:
+    #   beta = 0:  d_v = p_T(v) (log p_T(v) - log p_S(v))              forward KL(T || S)
+    #   beta = 1:  d_v = p_S(v) (log p_S(v) - log p_T(v))              reverse KL(S || T)
+    #   else:      d_v = beta KL_v(T || m) + (1 - beta) KL_v(S || m),  m = beta p_T + (1 - beta) p_S
+    if beta == 0.0:
+        d = log_t.exp() * (log_t - log_s)
+    elif beta == 1.0:
+        d = log_s.exp() * (log_s - log_t)
+    else:
+        log_m = torch.logaddexp(log_t + math.log(beta), log_s + math.log(1.0 - beta))
+        d = beta * log_t.exp() * (log_t - log_m) + (1.0 - beta) * log_s.exp() * (log_s - log_m)
+    # entry clip (the released recipe): d_v <- min(d_v, tau), before the sum; a clamped
+    # entry gets no gradient
+    if clip == "entry":
+        d = d.clamp(max=tau)
+    k = d.sum(dim=-1)  # (...) k_n = sum_v d_v
+    # token clip: k_n * min(1, tau / k_n), the factor detached, written as
+    # tau / max(k_n, tau). The value is min(k_n, tau); the gradient keeps the true
+    # divergence's direction at every position, scaled down.
+    if clip == "token":
+        k = k * (tau / k.clamp(min=tau)).detach()
+    return k
+
+
+def plain_loss(student_logits, teacher_logits, num_tokens, *, beta=0.0, temperature=1.0,
+               clip="entry", tau=0.05):
+    """The loss of one micro-batch in its plain form: the scored positions' logits
+    (N, V) each, the divergence at each, summed, divided by the step's token count;
+    autograd gives the gradient. opsd_loss computes the same value and gradient
+    without ever holding N x V logits."""
+    log_s, log_t = log_probs(student_logits, teacher_logits, temperature)
+    k = clipped_divergence(log_s, log_t, beta=beta, clip=clip, tau=tau)  # (N,)
+    return k.sum() / num_tokens
+
+
+def final_hidden(model, inputs):
+    """(B, T, H) hidden states after the final norm, before the lm_head: the loss
+    makes the logits itself, in chunks."""
+    return model.base_model(**inputs, use_cache=False).last_hidden_state
+
+
+class PositionStats(NamedTuple):
+    """What is logged of each answer position, (N,) each, whatever the loss's beta
+    and clip. All but `logprob` are at the loss temperature."""
+    # KL(p_T || p_S), unclipped: sum_v of the forward-KL terms d_v. The logged kl_mean is
+    # its mean over every answer position of the newest steps that hold --kl-window
+    # tokens, all ranks, the positions --skip-first-tokens leaves out of the loss included
+    kl: torch.Tensor
+    # the teacher's mass on the entries whose forward-KL term d_v exceeds tau: what an
+    # entry clip at tau would clamp, computed whatever --clip and --beta are
+    clipped_mass: torch.Tensor
+    logprob: torch.Tensor  # the student's raw log-prob of the sampled token (as vLLM's)
+    student_entropy: torch.Tensor  # H(p_S) = -sum_v p_S(v) log p_S(v)
+    teacher_entropy: torch.Tensor  # H(p_T)
+    negative: torch.Tensor  # 1 where the loss term is below -1e-6 (the entry clip's), else 0
+
+
+@torch.no_grad()
+def divergence_stats(student_logits, log_s, log_t, targets, terms, *, tau):
+    """PositionStats of C positions from the student's raw logits (C, V), both sides'
+    log-probs at the loss temperature (C, V), the sampled tokens (C,) and the loss
+    terms (C,)."""
+    raw = student_logits.float()
+    logprob = raw.gather(-1, targets[:, None])[:, 0] - raw.logsumexp(-1)
+    p_t = log_t.exp()  # (C, V)
+    d = p_t * (log_t - log_s)  # (C, V) forward-KL terms
+    clipped_mass = (p_t * (d > tau)).sum(-1)
+    student_entropy = -(log_s.exp() * log_s).sum(-1)
+    teacher_entropy = -(p_t * log_t).sum(-1)
+    negative = (terms < -1e-6).float()  # float32's rounding of a zero term is not negative
+    return PositionStats(d.sum(-1), clipped_mass, logprob, student_entropy, teacher_entropy,
+                         negative)
+
+
+def join_stats(stats):
+    """One PositionStats of a non-empty list of them."""
+    return PositionStats(*(torch.cat(parts) for parts in zip(*stats)))
+
+
+def opsd_loss(student_hidden, student_mask, teacher_hidden, teacher_mask, lm_head_weight,
+              num_tokens, targets=None, *, loss_positions=None, beta=0.0, temperature=1.0,
+              clip="entry", tau=0.05, chunk_size=256):
+    """(loss, stats) of one micro-batch: plain_loss's value and gradient, in chunks.
+
+    The hidden states (B, T, H) come before the frozen lm_head. Each mask (B, T)
+    selects the N positions scored, in the same order on both sides; the caller
+    (backward_step) has already moved the answer-token mask one position left.
+    loss = the sum of the N loss terms / num_tokens, the step's count over
+    micro-batches and ranks. `loss_positions` (N,) is 0 at positions left out of the
+    loss (--skip-first-tokens); `targets` (N,), the sampled tokens, asks for `stats`,
+    the PositionStats of all N positions."""
+    hs = student_hidden[student_mask]  # (N, H)
+    ht = teacher_hidden[teacher_mask].detach()  # (N, H)
+    N = hs.shape[0]
+    keep = torch.ones(N, device=hs.device)  # (N,) 1: in the loss, 0: left out
+    if loss_positions is not None:
+        keep = loss_positions.float()
+    W = lm_head_weight.detach()  # (V, H)
+    need_grad = torch.is_grad_enabled() and hs.requires_grad
+    total = hs.new_zeros((), dtype=torch.float32)
+    grads = []
+    stats = []
+    # Chunks, for memory: logits exist for chunk_size positions at a time (C x V,
+    # never N x V), and each chunk's gradient with respect to its hidden states is
+    # taken while its logits exist.
+    for i in range(0, N, chunk_size):
+        h = hs[i:i + chunk_size].detach().requires_grad_(need_grad)  # (C, H)
+        teacher_logits = ht[i:i + chunk_size] @ W.T  # (C, V)
+        with torch.enable_grad() if need_grad else nullcontext():
+            student_logits = h @ W.T  # (C, V)
+            log_s, log_t = log_probs(student_logits, teacher_logits, temperature)
+            k = clipped_divergence(log_s, log_t, beta=beta, clip=clip, tau=tau)  # (C,)
+            k = k * keep[i:i + chunk_size]  # a position left out adds nothing, nor gradient
+            if need_grad:
+                grads.append(torch.autograd.grad(k.sum(), h)[0])  # (C, H)
+        total = total + k.detach().sum()
+        if targets is not None:
+            stats.append(divergence_stats(student_logits.detach(), log_s.detach(),
+                                          log_t.detach(), targets[i:i + chunk_size],
+                                          k.detach(), tau=tau))
+    loss = total / max(num_tokens, 1)
+    # The surrogate carries the chunks' gradients into the model: sum(hs * grad) has
+    # gradient `grad` with respect to hs, and subtracting its own value makes it add
+    # exactly 0 to the loss. Built with no positions too, so backward runs on every rank.
+    if need_grad:
+        grad = torch.zeros_like(hs)  # (N, H) d sum_n k_n / d hs
+        if grads:
+            grad = torch.cat(grads)
+        surrogate = (hs * grad).sum() / max(num_tokens, 1)
+        loss = loss + (surrogate - surrogate.detach())
+    if targets is None:
+        return loss, None
+    return loss, join_stats(stats)
+
 
 def backward_step(model, lora_params, student_prompts, teacher_prompts, completions, *,
                   pad_id, micro_batch_size, teacher, ema=None, skip_first_tokens=0,
@@ -667,10 +616,10 @@ def backward_step(model, lora_params, student_prompts, teacher_prompts, completi
         with torch.no_grad(), teacher_weights(model, lora_params, teacher, ema):
             teacher_hidden = final_hidden(model, teacher_inputs)  # (B, T_teacher, H)
         student_hidden = final_hidden(model, student_inputs)  # (B, T_student, H)
-        # The hidden state at position t predicts token t + 1, so the positions scored
-        # are those before each answer token: from the prompt's last token to the
-        # answer's last but one.
-        student_scored = student_mask[:, 1:]
+        # The shift by one, done here once: the hidden state at position t predicts
+        # token t + 1, so the positions scored are those before each answer token, from
+        # the prompt's last token to the answer's last but one.
+        student_scored = student_mask[:, 1:]  # (B, T_student - 1)
         teacher_scored = teacher_mask[:, 1:]
         targets = student_inputs["input_ids"][:, 1:][student_scored]  # (N,) sampled tokens
         in_loss = [j >= skip_first_tokens for c in answers for j in range(len(c))]
@@ -687,8 +636,54 @@ def backward_step(model, lora_params, student_prompts, teacher_prompts, completi
     for p, g in zip(lora_params, flat.split([p.numel() for p in lora_params])):
         p.grad.copy_(g.view_as(p))
     loss_value = float(all_reduce(torch.tensor(loss_sum, device=device)))
-    return loss_value, join_stats(stats, flat)
+    return loss_value, join_stats(stats)
 
+
+def diagnostic_sums(stats, sampler_logprobs, tau):
+    """This step's sums over all ranks, from this rank's PositionStats of its answers'
+    positions, in order, and vLLM's log-probs of the same tokens (one list per
+    answer). gap = |vLLM's log-prob - the trainer's|."""
+    kl = stats.kl
+    gap = (stats.logprob - torch.tensor(sum(sampler_logprobs, []), device=kl.device)).abs()
+    lengths = [len(lp) for lp in sampler_logprobs]
+    starts = [sum(lengths[:i]) for i, n in enumerate(lengths) if n]  # first positions
+    local = {"tokens": len(kl), "kl": kl.sum(), "above_tau": (kl > tau).sum(),
+             "clipped_mass": stats.clipped_mass.sum(), "first_kl": kl[starts].sum(),
+             "first_tokens": len(starts), "gap": gap.sum(),
+             "student_entropy": stats.student_entropy.sum(),
+             "teacher_entropy": stats.teacher_entropy.sum(), "negative": stats.negative.sum()}
+    values = torch.tensor([float(v) for v in local.values()], device=kl.device)
+    sums = dict(zip(local, all_reduce(values).tolist()))
+    gap_max = torch.zeros((), device=kl.device)
+    if len(gap):
+        gap_max = gap.max()
+    sums["gap_max"] = float(all_reduce(gap_max, dist.ReduceOp.MAX))
+    return sums
+
+
+WINDOW_KEYS = ("tokens", "kl", "above_tau", "clipped_mass", "first_kl", "first_tokens",
+               "student_entropy", "teacher_entropy", "negative")
+
+
+def kl_window_means(window, kl_window):
+    """The logged means (PositionStats says what each is) over the newest steps that
+    hold `kl_window` tokens. `window` holds per-step sums, newest last; whole steps
+    count, and the steps no longer needed leave it."""
+    while len(window) > 1 and sum(w["tokens"] for w in list(window)[1:]) >= kl_window:
+        window.popleft()
+    w = {key: sum(step_sums[key] for step_sums in window) for key in WINDOW_KEYS}
+    tokens = max(w["tokens"], 1)
+    return {"kl_mean": w["kl"] / tokens, "kl_frac_above_tau": w["above_tau"] / tokens,
+            "kl_clipped_teacher_mass": w["clipped_mass"] / tokens,
+            "kl_first_token": w["first_kl"] / max(w["first_tokens"], 1),
+            "entropy_student": w["student_entropy"] / tokens,
+            "entropy_teacher": w["teacher_entropy"] / tokens,
+            "loss_frac_negative": w["negative"] / tokens,
+            "kl_window_tokens": int(w["tokens"])}
+
+
+# -----------------------------------------------------------------------------
+# The learning-rate schedule
 
 def lr_at(step, *, lr, max_steps, warmup_steps=0, min_lr=0.0):
     """Learning rate of optimizer step `step` (0-based, 0 .. max_steps - 1)."""
@@ -706,125 +701,125 @@ def lr_at(step, *, lr, max_steps, warmup_steps=0, min_lr=0.0):
 # =============================================================================
 
 # -----------------------------------------------------------------------------
-# Config: every hyper-parameter with its range; the defaults are the recipe's
-
-def checked(kind, ok, rule):
-    """An argparse type: the text read as `kind`, refused unless ok(value)."""
-    def parse(text):
-        value = kind(text)
-        if not ok(value):
-            raise argparse.ArgumentTypeError(f"must be {rule}, got {text}")
-        return value
-    parse.__name__ = kind.__name__  # for argparse's own "invalid int value" sentence
-    return parse
-
-
-AT_LEAST_1 = checked(int, lambda v: v >= 1, "at least 1")
-AT_LEAST_0 = checked(int, lambda v: v >= 0, "0 or more")
-POSITIVE = checked(float, lambda v: v > 0, "positive")
-NON_NEGATIVE = checked(float, lambda v: v >= 0, "0 or more")
-SHARE = checked(float, lambda v: 0 < v <= 1, "in (0, 1]")
-
+# Config: every hyper-parameter; the defaults are the released recipe's
 
 def check_flags(args):
-    """The rules that relate several flags (each flag's own range is its type)."""
-    if args.ema_decay is not None and args.teacher != "ema":
-        fail("--ema-decay needs --teacher ema.")
-    if args.skip_first_tokens >= args.max_new_tokens:
+    """What would fail late or run wrongly, said before anything loads."""
+    for name in ("lora_r", "lora_alpha", "max_prompt_length", "max_new_tokens", "tau",
+                 "loss_temperature", "loss_chunk_size", "max_steps", "prompts_per_step",
+                 "micro_batch_size", "lr", "max_grad_norm", "collective_timeout"):
+        if getattr(args, name) <= 0:
+            fail(f"--{name.replace('_', '-')} must be positive.")
+    # vLLM's ranges, which it checks only at the first step
+    for name in ("top_p", "vllm_memory"):
+        if not 0 < getattr(args, name) <= 1:
+            fail(f"--{name.replace('_', '-')} must lie in (0, 1].")
+    if not 0 < args.temperature <= 2:
+        fail("--temperature must lie in (0, 2].")
+    if args.top_k == 0 or args.top_k < -1:
+        fail("--top-k must be -1 (off) or at least 1.")
+    if not 0 <= args.beta <= 1:
+        fail("--beta must lie in [0, 1].")
+    if not 0 < args.ema_decay < 1:
+        fail("--ema-decay must lie in (0, 1).")
+    if not 0 <= args.skip_first_tokens < args.max_new_tokens:
         fail("--skip-first-tokens must lie in [0, --max-new-tokens).")
-    if args.min_lr > args.lr:
+    if not 0 <= args.min_lr <= args.lr:
         fail("--min-lr must lie in [0, --lr].")
-    if args.warmup_steps >= args.max_steps:
+    if not 0 <= args.warmup_steps < args.max_steps:
         fail("--warmup-steps must lie in [0, --max-steps).")
     if args.prompts_per_step % (WORLD_SIZE * args.micro_batch_size):
         fail(f"--prompts-per-step {args.prompts_per_step} must be divisible by ranks x "
              f"--micro-batch-size = {WORLD_SIZE} x {args.micro_batch_size}.")
     if args.wandb_project and not importlib.util.find_spec("wandb"):
-        fail("--wandb-project needs wandb: pip install wandb")
+        fail("--wandb-project needs wandb: pip install wandb.")
 
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(
         prog="opsd.py", formatter_class=argparse.ArgumentDefaultsHelpFormatter,
-        description="On-Policy Self-Distillation with LoRA and vLLM rollouts.")
+        description="On-Policy Self-Distillation with LoRA and vLLM rollouts. Defaults: the "
+                    "released recipe for Qwen3-1.7B; recommended: --clip token "
+                    "--skip-first-tokens 1 (README.md).")
     p.error = fail  # argparse's refusals in the one sentence of every other
     on_off = argparse.BooleanOptionalAction
-    g = p.add_argument_group("model")
-    g.add_argument("--model", default="Qwen/Qwen3-1.7B")
-    g.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
-    g.add_argument("--lora-r", type=AT_LEAST_1, default=64)
-    g.add_argument("--lora-alpha", type=POSITIVE, default=128)
-    g.add_argument("--teacher", default="base", choices=["base", "current", "ema"],
-                   help="base: LoRA off; current: the student; ema: its EMA")
-    g.add_argument("--ema-decay", type=checked(float, lambda v: 0 < v < 1, "in (0, 1)"),
-                   help="ema's decay (0.999)")
-    g.add_argument("--gradient-checkpointing", action=on_off, default=True)
-    g = p.add_argument_group("data and prompts")
-    g.add_argument("--dataset", default="siyanzhao/Openthoughts_math_30k_opsd")
-    g.add_argument("--dataset-split", default="train")
-    g.add_argument("--problem-column", default="problem")
-    g.add_argument("--context-column", default="solution", help="a,b joins two columns")
-    g.add_argument("--data-select", default="all", choices=["all", "hard"])
-    g.add_argument("--teacher-context", default="reference", choices=TEACHER_CONTEXTS,
-                   help="what the teacher is shown: the row's reference, none, another "
-                        "row's, or the reference's final answer")
-    g.add_argument("--student-prompt", default="recipe", choices=["recipe", "eval"],
-                   help="eval: eval.py's prompt")
-    g.add_argument("--student-thinking", action=on_off, default=False)
-    g.add_argument("--teacher-thinking", action=on_off, default=True)
-    g.add_argument("--max-prompt-length", type=AT_LEAST_1, default=2048)
-    g = p.add_argument_group("sampling (vLLM)")
-    g.add_argument("--max-new-tokens", type=AT_LEAST_1, default=1024)
-    g.add_argument("--temperature", default=1.1,
-                   type=checked(float, lambda v: 0 < v <= 2, "in (0, 2], vLLM's range"))
-    g.add_argument("--top-p", type=SHARE, default=0.95)
-    g.add_argument("--top-k", default=20,
-                   type=checked(int, lambda v: v == -1 or v >= 1, "-1 (off) or at least 1"))
-    g.add_argument("--vllm-memory", type=SHARE, default=0.3, help="of each GPU")
-    g = p.add_argument_group("loss")
-    g.add_argument("--clip", default="entry", choices=CLIP_MODES,
-                   help="entry: min(d_v, tau); token: min(k, tau)")
-    g.add_argument("--tau", type=POSITIVE, default=0.05)
-    g.add_argument("--beta", default=0.0, help="0: forward KL, 1: reverse KL",
-                   type=checked(float, lambda v: 0 <= v <= 1, "in [0, 1]"))
-    g.add_argument("--loss-temperature", type=POSITIVE, default=1.1)
-    g.add_argument("--skip-first-tokens", type=AT_LEAST_0, default=0,
-                   help="answer positions left out of the loss")
-    g.add_argument("--loss-chunk-size", type=AT_LEAST_1, default=256)
-    g = p.add_argument_group("optimization")
-    g.add_argument("--max-steps", type=AT_LEAST_1, default=100)
-    g.add_argument("--prompts-per-step", type=AT_LEAST_1, default=32, help="all ranks")
-    g.add_argument("--micro-batch-size", type=AT_LEAST_1, default=4, help="per rank")
-    g.add_argument("--lr", type=POSITIVE, default=5e-6)
-    g.add_argument("--min-lr", type=NON_NEGATIVE, default=0.0, help="at --max-steps")
-    g.add_argument("--warmup-steps", type=AT_LEAST_0, default=0)
-    g.add_argument("--max-grad-norm", type=POSITIVE, default=0.1)
-    g = p.add_argument_group("run")
-    g.add_argument("--output-dir", default="runs/opsd")
-    g.add_argument("--seed", type=int, default=42)
-    g.add_argument("--save-every", type=AT_LEAST_0, default=25, help="steps (0: never)")
-    once = g.add_mutually_exclusive_group()
+    add = p.add_argument_group("model").add_argument
+    add("--model", default="Qwen/Qwen3-1.7B", help="hub id or local directory")
+    add("--dtype", default="bfloat16", choices=["bfloat16", "float32"],
+        help="of the weights; LoRA and the loss are float32")
+    add("--lora-r", type=int, default=64, help="LoRA's rank")
+    add("--lora-alpha", type=float, default=128, help="LoRA's scale is alpha / r")
+    add("--teacher", default="base", choices=["base", "current", "ema"],
+        help="base: LoRA off; current: the student; ema: its EMA")
+    add("--ema-decay", type=float, default=0.999, help="the EMA teacher's decay (--teacher ema)")
+    add("--gradient-checkpointing", action=on_off, default=True, help="less memory, more time")
+    add = p.add_argument_group("data and prompts").add_argument
+    add("--dataset", default="siyanzhao/Openthoughts_math_30k_opsd",
+        help="hub id, or a local .json, .jsonl or .parquet file")
+    add("--dataset-split", default="train", help="of a hub dataset")
+    add("--problem-column", default="problem", help="the problem, a string")
+    add("--context-column", default="solution",
+        help="the teacher's reference, a string; a,b joins two columns")
+    add("--data-select", default="all", choices=["all", "hard"],
+        help="hard: no source 'math', the longer half by generated_token_count")
+    add("--teacher-context", default="reference", choices=TEACHER_CONTEXTS,
+        help="what the teacher is shown: its row's context, none, another "
+             "row's, or its last \\boxed{}")
+    add("--student-prompt", default="recipe", choices=["recipe", "eval"],
+        help="recipe: 'Problem: ...'; eval: eval.py's prompt")
+    add("--student-thinking", action=on_off, default=False,
+        help="the chat template's enable_thinking")
+    add("--teacher-thinking", action=on_off, default=True,
+        help="the chat template's enable_thinking")
+    add("--max-prompt-length", type=int, default=2048, help="tokens; longer rows are dropped")
+    add = p.add_argument_group("sampling (vLLM)").add_argument
+    add("--max-new-tokens", type=int, default=1024, help="an answer's longest")
+    add("--temperature", type=float, default=1.1, help="vLLM's sampling temperature")
+    add("--top-p", type=float, default=0.95, help="vLLM's nucleus sampling")
+    add("--top-k", type=int, default=20, help="vLLM's top-k sampling; -1: off")
+    add("--vllm-memory", type=float, default=0.3, help="share of each GPU's")
+    add = p.add_argument_group("loss").add_argument
+    add("--clip", default="entry", choices=CLIP_MODES,
+        help="entry: the recipe's min(d_v, tau); token: min(k, tau), recommended")
+    add("--tau", type=float, default=0.05, help="the clip's threshold")
+    add("--beta", type=float, default=0.0, help="0: forward KL, 1: reverse, between: a JSD")
+    add("--loss-temperature", type=float, default=1.1, help="the loss divides logits by it")
+    add("--skip-first-tokens", type=int, default=0,
+        help="answer positions left out of the loss; recommended: 1")
+    add("--loss-chunk-size", type=int, default=256, help="positions whose logits exist at once")
+    add = p.add_argument_group("optimization").add_argument
+    add("--max-steps", type=int, default=100, help="optimizer steps")
+    add("--prompts-per-step", type=int, default=32, help="prompts per optimizer step, all ranks")
+    add("--micro-batch-size", type=int, default=4, help="prompts, per rank")
+    add("--lr", type=float, default=5e-6, help="AdamW's peak learning rate")
+    add("--min-lr", type=float, default=0.0, help="the cosine schedule's end")
+    add("--warmup-steps", type=int, default=0, help="linear warmup")
+    add("--max-grad-norm", type=float, default=0.1, help="gradient clipping")
+    add = p.add_argument_group("run").add_argument
+    add("--output-dir", default="runs/opsd", help="one run's directory")
+    add("--seed", type=int, default=42, help="data order, sampling, LoRA's A")
+    add("--save-every", type=int, default=25, help="steps; 0: never")
+    once = p.add_mutually_exclusive_group()
     once.add_argument("--resume", action="store_true", help="continue --output-dir's run")
     once.add_argument("--overwrite", action="store_true", help="replace --output-dir's run")
-    g.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
-    g.add_argument("--collective-timeout", type=POSITIVE, default=30,
-                   help="minutes a rank waits for the others")
-    g.add_argument("--kl-window", type=AT_LEAST_1, default=20_000, help="answer tokens")
-    g.add_argument("--log-rollouts-every", type=AT_LEAST_0, default=10)
-    g.add_argument("--wandb-project")
+    add("--device", default="auto", choices=["auto", "cpu", "cuda"],
+        help="auto: CUDA when torch sees it")
+    add("--collective-timeout", type=float, default=30, help="minutes a rank waits for the others")
+    add("--kl-window", type=int, default=20_000,
+        help="answer tokens the logged figures average over")
+    add("--log-rollouts-every", type=int, default=10,
+        help="steps; rank 0's answers to rollouts.jsonl; 0: never")
+    add("--wandb-project", help="also log to Weights & Biases (pip install wandb)")
     args = p.parse_args(argv)
     check_flags(args)
-    if args.ema_decay is None:
-        args.ema_decay = 0.999
     return args
 
 
 # -----------------------------------------------------------------------------
-# The run: main(), then how it starts (the device, the process group, the
-# environment vLLM's engine needs)
+# The run: main(), then how it starts
 
 def main(argv=None):
-    run = {"argv": argv, "args": None, "step": None}  # for stop_cleanly's report
+    run = {"argv": argv, "args": None, "step": None}  # what stop_cleanly reports
     with stop_cleanly(run):
         args = parse_args(argv)
         run["args"] = args
@@ -835,12 +830,16 @@ def main(argv=None):
 
         # ---- what a user can get wrong, checked before a model or vLLM loads
         with ranks_agree(device):
-            resume_from, saved_identity = check_output_dir(args)
+            resume_from = check_output_dir(args)
             check_model(args)
             tokenizer, prompts = load_prompts(args)
-            run_identity = run_fingerprint(args, prompts, device)
+            record = run_record(args, prompts, device)
             if resume_from:
-                check_fingerprint(saved_identity, run_identity, resume_from)
+                check_resume(record, out_dir)
+            try:  # the first thing written: every check has passed
+                out_dir.mkdir(parents=True, exist_ok=True)
+            except OSError as e:
+                fail(f"--output-dir {out_dir}: {e.strerror}: choose another.")
 
         # ---- the model with LoRA; A is drawn from --seed, alike on every rank
         model, lora_params = load_model(args, device)
@@ -858,10 +857,9 @@ def main(argv=None):
             with ranks_agree(device):
                 check_push(llm, model, out_dir)
             print0(f"resumed from {resume_from} at step {start_step}")
-        check_same_on_every_rank(lora_params)
         tracker = None
         if RANK == 0:
-            tracker = open_run(args, start_step, run_identity)
+            tracker = open_run(args, start_step, record)
         loss_kw = {"beta": args.beta, "temperature": args.loss_temperature,
                    "clip": args.clip, "tau": args.tau, "chunk_size": args.loss_chunk_size}
         pad_id = tokenizer.pad_token_id
@@ -920,45 +918,41 @@ def main(argv=None):
                                            tokenizer)
                 log_step(args, record, rollouts, tracker)
 
-            # ---- checkpoint (the last step writes final/ instead)
+            # ---- checkpoint, by rank 0 (the last step writes final/ instead)
             due = args.save_every and (step + 1) % args.save_every == 0
-            if due and step + 1 < args.max_steps:
-                if RANK == 0:
-                    state = {"step": step + 1, "optimizer": optimizer.state_dict(),
-                             "kl_window": list(window)}
-                    save_run_state(out_dir, model, lora_params, ema, args, state)
-                all_reduce(torch.zeros(1, device=device))  # no rank runs ahead of it
+            if RANK == 0 and due and step + 1 < args.max_steps:
+                state = {"step": step + 1, "optimizer": optimizer.state_dict(),
+                         "kl_window": list(window)}
+                save_run_state(out_dir, model, lora_params, ema, args, state)
+                print(f"checkpoint-{step + 1}; to resume: {resume_command(run['argv'])}",
+                      flush=True)
 
-        # ---- the end: the final adapter (and the EMA teacher's) in PEFT's layout
+        # ---- the end: the adapter (and the EMA teacher's) in PEFT's layout. No rank
+        # waits for it in a collective, which a slow disk or wandb could time out.
         if RANK == 0:
             save_run_state(out_dir, model, lora_params, ema, args)
-            print(f"final adapter -> {out_dir / 'final'}")
+            print(f"final adapter -> {out_dir / 'final'}", flush=True)
             if tracker:
                 tracker.finish()
-        all_reduce(torch.zeros(1, device=device))  # every rank waits for the adapter
         stop_engine(llm)
-    if dist.is_initialized():
-        dist.destroy_process_group()
 
 
 def choose_attention_kernels():
-    """SDPA's flash, memory-efficient and math kernels, not cuDNN's: it returns NaN
-    for a row whose keys are all masked (vLLM chooses alike)."""
+    """Not cuDNN's attention: it returns NaN for a row whose keys are all masked."""
     torch.backends.cuda.enable_flash_sdp(True)
     torch.backends.cuda.enable_mem_efficient_sdp(True)
     torch.backends.cuda.enable_math_sdp(True)
     torch.backends.cuda.enable_cudnn_sdp(False)
 
 
-# What the push needs, whatever was exported: the engine in this process (no other
-# can take the weights' generator); float32 matmuls without TF32 (for the read-back)
+# What the push needs: the engine in this process (no other can take the weights'
+# generator); float32 matmuls without TF32 (for the read-back)
 PUSH_ENVIRONMENT = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0",
                     "VLLM_FLOAT32_MATMUL_PRECISION": "highest"}
 
 
 def init_distributed(args):
-    """The device; under torchrun, the process group (NCCL on GPUs, gloo on CPUs);
-    then the environment vLLM's engine must see."""
+    """The device, the process group under torchrun, the environment vLLM needs."""
     use_cuda = args.device != "cpu" and torch.cuda.is_available()
     device = torch.device("cpu")
     if use_cuda:
@@ -966,10 +960,13 @@ def init_distributed(args):
         torch.cuda.set_device(device)  # vLLM builds its engine on it
     choose_attention_kernels()
     if WORLD_SIZE > 1:
-        backend = "gloo"
+        timeout = timedelta(minutes=args.collective_timeout)
         if use_cuda:
-            backend = "nccl"
-        dist.init_process_group(backend, timeout=timedelta(minutes=args.collective_timeout))
+            # device_id makes NCCL's communicator now, while every rank is here: made at
+            # the first collective, it would wait without bound for a rank that died.
+            dist.init_process_group("nccl", timeout=timeout, device_id=device)
+        else:
+            dist.init_process_group("gloo", timeout=timeout)
     os.environ.update(PUSH_ENVIRONMENT)
     torch.set_float32_matmul_precision("highest")
     engine_environment(cpu=not use_cuda)
@@ -992,90 +989,61 @@ def load_prompts(args):
     return tokenizer, prompts
 
 
+LOCAL_FORMATS = {".json": "json", ".jsonl": "json", ".parquet": "parquet"}
+
+
 def load_rows(dataset, split, problem_column, context_column, data_select="all"):
     """[(problem, privileged context)] after the --data-select rule. `context_column`
     may name columns as a,b: their texts are joined by a blank line, in that order."""
-    label = f"--dataset {dataset}"
-    rows = read_table(dataset, split, label)
-    if not rows:
-        fail(f"{label} holds no rows.")
-    context_columns = [c.strip() for c in context_column.split(",")]
-    if not all(context_columns):
-        fail(f"--context-column {context_column!r}: an empty column name; give one "
-             "column, or columns as a,b.")
-    check_columns(rows, label, "--problem-column", str, problem_column)
-    check_columns(rows, label, "--context-column", str, *context_columns)
-    if data_select == "hard":
-        rows = select_hard(rows, label)
-    return [(row[problem_column], "\n\n".join(row[c] for c in context_columns))
-            for row in rows]
-
-
-def read_table(source, split, label):
-    """Rows (dicts) of a local .json, .jsonl or .parquet file, or of a hub dataset's
-    split; `label` names the source."""
-    path = Path(source).expanduser()
-    if not path.is_file():
-        if local_path(source):
-            fail(f"{label}: no such file.")
-        from datasets import load_dataset
-        try:
-            return [dict(row) for row in load_dataset(source, split=split)]
-        except Exception as e:  # the hub's many failures all mean one thing here
-            fail(f"{label}: cannot load split {split!r} from the hub "
-                 f"({str(e).splitlines()[0]}); without network, use a local copy.")
-    if path.suffix.lower() == ".parquet":
-        import pyarrow.parquet as pq
-        return pq.read_table(path).to_pylist()
-    if path.suffix.lower() not in (".json", ".jsonl"):
-        fail(f"{label}: a local file must be .json, .jsonl or .parquet.")
-    text = path.read_text()
-    chunks = enumerate(text.splitlines(), 1)  # a JSON object a line, or one array
-    if text.lstrip().startswith("["):
-        chunks = [(1, text)]
-    rows = []
-    for number, chunk in chunks:
-        if not chunk.strip():
-            continue
-        try:
-            value = json.loads(chunk)
-        except json.JSONDecodeError as e:
-            fail(f"{label}, line {number + e.lineno - 1}: not valid JSON ({e.msg}).")
-        if isinstance(value, list):
-            rows.extend(value)
+    import datasets
+    datasets.disable_progress_bars()
+    datasets.logging.set_verbosity(datasets.logging.CRITICAL)  # its errors come here
+    path = Path(dataset).expanduser()
+    if path.is_file() and path.suffix.lower() not in LOCAL_FORMATS:
+        fail(f"--dataset {dataset}: a local file must be .json, .jsonl or .parquet: "
+             "convert it.")
+    try:
+        if path.suffix.lower() in LOCAL_FORMATS:
+            table = datasets.load_dataset(LOCAL_FORMATS[path.suffix.lower()],
+                                          data_files=str(path), split="train")
         else:
-            rows.append(value)
-    if not all(isinstance(row, dict) for row in rows):
-        fail(f"{label}: every row must be a JSON object.")
-    return rows
-
-
-def check_columns(rows, source, needed_by, kinds, *columns):
-    """Every row holds each of `columns`, a value of `kinds` (a bool is no number),
-    else a refusal naming the column or row, and the flag `needed_by`."""
-    for column in columns:
-        if column not in rows[0]:
-            fail(f"{source} has no column {column!r} ({needed_by}); its columns are "
-                 f"{list(rows[0])}.")
-    if not isinstance(kinds, tuple):
-        kinds = (kinds,)
-    noun = " or ".join(dict.fromkeys({str: "a string"}.get(k, "a number") for k in kinds))
+            table = datasets.load_dataset(dataset, split=split)
+    except Exception as e:  # datasets' own words (a parser's, for a file), or none
+        words = str(e.__cause__ or e).strip() or "no rows"
+        fail(f"--dataset {dataset}: {words} (a hub id needs network; else give a local "
+             ".json, .jsonl or .parquet file)")
+    contexts = [c.strip() for c in context_column.split(",")]
+    # column -> (the flag that names it, the type of its values)
+    needed = {column: ("--context-column", str) for column in contexts}
+    needed[problem_column] = ("--problem-column", str)
+    if data_select == "hard":
+        needed["source"] = ("--data-select hard", str)
+        needed["generated_token_count"] = ("--data-select hard", (int, float))
+    for column, (flag, kind) in needed.items():
+        if column not in table.column_names:
+            fail(f"--dataset {dataset} has no column {column!r} ({flag}); its columns are "
+                 f"{table.column_names}.")
+    rows = table.to_list()
+    if not rows:
+        fail(f"--dataset {dataset} holds no rows: give one that has some.")
     for number, row in enumerate(rows, 1):
-        for column in columns:
-            value = row.get(column)
-            if not isinstance(value, kinds) or isinstance(value, bool):
-                fail(f"{source}, row {number}: {column!r} is {value!r}, not {noun}.")
+        for column, (flag, kind) in needed.items():
+            value = row[column]
+            if not isinstance(value, kind) or isinstance(value, bool):
+                noun = "a string" if kind is str else "a number"
+                fail(f"--dataset {dataset}, row {number}: {column!r} is {value!r}, not {noun}: "
+                     "fix or drop the row.")
+    if data_select == "hard":
+        rows = select_hard(rows)
+    return [(row[problem_column], "\n\n".join(row[c] for c in contexts)) for row in rows]
 
 
-def select_hard(rows, label):
-    """The researcher's `hard` selection, where teacher and student disagree: 1) drop
-    the rows whose source is 'math' (their KL is near zero); 2) keep the rows whose
-    generated_token_count is at least the element at len // 2 of the sorted counts."""
-    check_columns(rows, label, "--data-select hard", str, "source")
-    check_columns(rows, label, "--data-select hard", (int, float), "generated_token_count")
+def select_hard(rows):
+    """Where teacher and student disagree: 1) drop source 'math' (KL near zero); 2)
+    keep generated_token_count >= the element at len // 2 of the sorted counts."""
     kept = [r for r in rows if r["source"] != "math"]
     if not kept:
-        fail(f"--data-select hard: every row of {label} has source 'math'.")
+        fail("--data-select hard: every row has source 'math': use --data-select all.")
     threshold = sorted(r["generated_token_count"] for r in kept)[len(kept) // 2]
     kept = [r for r in kept if r["generated_token_count"] >= threshold]
     print0(f"data-select hard: {len(rows)} rows -> {len(kept)} (source != 'math', "
@@ -1095,7 +1063,8 @@ def load_model(args, device):
     disable_dropout(model)
     problem = check_logits_path(model)
     if problem:
-        fail(f"--model {args.model} ({model.config.model_type}) is not supported: {problem}.")
+        fail(f"--model {args.model} ({model.config.model_type}) is not supported: {problem}: "
+             "choose another --model.")
     lora_params = add_lora(model, args.lora_r, args.lora_alpha, seed=args.seed)
     if args.gradient_checkpointing:
         model.gradient_checkpointing_enable(
@@ -1105,7 +1074,7 @@ def load_model(args, device):
 
 
 def disable_dropout(model):
-    """No dropout, as in the recipe; train() would switch it on."""
+    """No dropout, as in the recipe."""
     for m in model.modules():
         if isinstance(m, nn.Dropout):
             m.p = 0.0
@@ -1118,7 +1087,7 @@ ADAPTER_CONFIG = "adapter_config.json"
 
 
 def adapter_parameters(model):
-    """{name in adapter_model.safetensors: parameter}, A and B of every LoRA layer."""
+    """{name in PEFT's adapter_model.safetensors: LoRA parameter}."""
     names = {}
     for name, m in lora_layers(model).items():
         names[f"base_model.model.{name}.lora_A.weight"] = m.lora_A
@@ -1151,8 +1120,7 @@ def load_adapter(model, adapter_dir):
 
 
 def restore(checkpoint, model, lora_params, optimizer):
-    """Load a checkpoint into the model and the optimizer; return (step, the EMA
-    teacher's LoRA or None, the KL window)."""
+    """(step, the EMA teacher's LoRA or None, the KL window) of a checkpoint."""
     state = torch.load(checkpoint / "trainer_state.pt", map_location="cpu", weights_only=True)
     optimizer.load_state_dict(state["optimizer"])  # moved to the parameters' device
     ema = None
@@ -1164,9 +1132,8 @@ def restore(checkpoint, model, lora_params, optimizer):
 
 
 def save_run_state(out_dir, model, lora_params, ema, args, state=None):
-    """checkpoint-<step>/ (given `state`) or final/: the adapter, the EMA teacher's
-    in ema/, the step, optimizer and KL window. No RNG state: the data order and the
-    sampling seeds are functions of (seed, step)."""
+    """checkpoint-<step>/ (given `state`) or final/. No RNG state: the data order and
+    the sampling seeds are functions of (seed, step)."""
     name = "final"
     if state:
         name = f"checkpoint-{state['step']}"
@@ -1197,10 +1164,9 @@ def flush(path):
 # -----------------------------------------------------------------------------
 # Logs: args.json, the step line, metrics.jsonl, rollouts.jsonl; wandb when asked
 
-def open_run(args, start_step, run_identity):
-    """Rank 0: delete the old run (--overwrite); write args.json with the run's
-    fingerprint; cut the logs back to the resumed step (and a line a kill cut
-    short); start Weights & Biases when asked."""
+def open_run(args, start_step, record):
+    """Rank 0: the old run deleted (--overwrite), args.json, the logs cut back to the
+    resumed step, Weights & Biases."""
     out_dir = Path(args.output_dir)
     if args.overwrite:
         for path in run_files(out_dir):
@@ -1208,8 +1174,6 @@ def open_run(args, start_step, run_identity):
                 shutil.rmtree(path)
             else:
                 path.unlink()
-    out_dir.mkdir(parents=True, exist_ok=True)  # the first thing written: all checks passed
-    record = {**vars(args), "fingerprint": run_identity}
     write_atomically(out_dir / "args.json", json.dumps(record, indent=2) + "\n")
     for path in (out_dir / "metrics.jsonl", out_dir / "rollouts.jsonl"):
         if path.exists():
@@ -1238,8 +1202,7 @@ def write_atomically(path, text):
 
 
 def rollout_records(args, step, indices, mine, completions, kl, tokenizer):
-    """Rank 0's answers when rollouts.jsonl is due (else none), with each token's
-    KL(p_T || p_S)."""
+    """Rank 0's answers when rollouts.jsonl is due, with each token's KL."""
     every = args.log_rollouts_every
     last = step + 1 == args.max_steps
     if not every or not (step == 0 or (step + 1) % every == 0 or last):
@@ -1297,7 +1260,6 @@ RESUMABLE_CHANGES = ("output_dir", "resume", "overwrite", "micro_batch_size",
 
 
 def run_files(out_dir):
-    """What a run leaves in its directory."""
     names = ["args.json", "metrics.jsonl", "rollouts.jsonl", "final"]
     found = [out_dir / n for n in names if (out_dir / n).exists()]
     return found + sorted(out_dir.glob("checkpoint-*"))
@@ -1312,63 +1274,48 @@ def latest_checkpoint(out_dir):
 
 
 def check_output_dir(args):
-    """(the checkpoint to resume, its run's fingerprint), or (None, None)."""
+    """The checkpoint to resume, or None for a new run."""
     out_dir = Path(args.output_dir)
-    # a file of this rank's, in the nearest directory that exists: nothing is made
-    # before every check has passed
-    nearest = next(p for p in (out_dir, *out_dir.parents) if p.exists())
-    probe = nearest / f".write-test-{RANK}"
-    try:
-        probe.write_text("")
-        probe.unlink()
-    except OSError as e:
-        fail(f"--output-dir {out_dir} is not writable ({e.strerror}).")
     existing = run_files(out_dir)
     if not args.resume:
         if existing and not args.overwrite:
             names = ", ".join(p.name for p in existing[:3])
             fail(f"--output-dir {out_dir} already holds a run ({names}): pass --resume to "
                  "continue it, --overwrite to replace it, or choose another --output-dir.")
-        return None, None
+        return None
     if not (out_dir / "args.json").is_file():
-        fail(f"--resume: {out_dir} holds no run to resume (no args.json); across nodes "
-             "--output-dir must be one directory that every rank sees.")
-    saved = json.loads((out_dir / "args.json").read_text())
-    if "fingerprint" not in saved:
-        fail(f"--resume: {out_dir / 'args.json'} records no run fingerprint (an older "
-             "opsd.py): start a new --output-dir.")
-    changed = ["--" + k.replace("_", "-") for k, v in vars(args).items()
-               if k not in RESUMABLE_CHANGES and saved.get(k) != v]
-    if changed:
-        fail(f"--resume with other {', '.join(changed)} than the run in {out_dir} would "
-             "change its results: use the same values, or a new --output-dir.")
+        fail(f"--resume: {out_dir} holds no run to resume (no args.json): drop --resume to "
+             "start one; across nodes --output-dir must be one directory every rank sees.")
     if (out_dir / "final").exists():
-        fail(f"--resume: the run in {out_dir} has finished ({out_dir / 'final'} exists); "
-             "nothing to resume.")
+        fail(f"--resume: the run in {out_dir} has finished: choose a new --output-dir.")
     checkpoint = latest_checkpoint(out_dir)
     if checkpoint is None:
-        fail(f"--resume: {out_dir} holds no checkpoint yet; restart with --overwrite.")
-    loaders = {".safetensors": load_file, ".json": lambda f: json.loads(f.read_text()),
-               ".pt": lambda f: torch.load(f, map_location="cpu", weights_only=True)}
-    for path in sorted(checkpoint.rglob("*.*")):  # a file a full disk cut short
-        try:
-            loaders[path.suffix](path)
-        except Exception as e:  # each loader fails its own way
-            fail(f"--resume: {path} does not load ({type(e).__name__}): delete "
-                 f"{checkpoint} to resume from the checkpoint before it, or start afresh "
-                 "with --overwrite.")
-    return checkpoint, saved["fingerprint"]
+        fail(f"--resume: {out_dir} holds no checkpoint yet: restart with --overwrite.")
+    return checkpoint
 
 
-def run_fingerprint(args, prompts, device):
-    """What a resume must find unchanged: the prompts (their number and token ids fix
-    every step's data), the model's files, the device type (CPU and CUDA sample
-    apart)."""
+def run_record(args, prompts, device):
+    """args.json: the flags, and what else fixes the results: the prompts' ids, the
+    model's files, the device type (CPU and CUDA sample apart)."""
     ids = hashlib.sha256()
     for student, teacher in prompts:
         ids.update(array("q", [len(student), len(teacher), *student, *teacher]).tobytes())
-    return {"prompts": len(prompts), "prompt_ids_sha256": ids.hexdigest(),
-            "model": model_fingerprint(args.model), "device": device.type}
+    return {**vars(args), "prompt_ids_sha256": ids.hexdigest(),
+            "model_sha256": model_fingerprint(args.model), "device_type": device.type}
+
+
+CONTENTS = {"prompt_ids_sha256": "prompts", "model_sha256": "model files",
+            "device_type": "device type"}
+
+
+def check_resume(record, out_dir):
+    saved = json.loads((out_dir / "args.json").read_text())
+    changed = [key for key, value in record.items()
+               if key not in RESUMABLE_CHANGES and saved.get(key) != value]
+    if changed:
+        names = [CONTENTS.get(key, "--" + key.replace("_", "-")) for key in changed]
+        fail(f"--resume with other {', '.join(names)} than the run in {out_dir} would "
+             "change its results: use the same, or a new --output-dir.")
 
 
 def model_fingerprint(model):
@@ -1409,54 +1356,34 @@ def model_dir(model):
     return Path(config).parent.resolve()
 
 
-def check_fingerprint(saved, current, checkpoint):
-    """The run fingerprint args.json recorded (`saved`) against this run's."""
-    what = {"prompts": "the number of prompts", "prompt_ids_sha256": "the prompts' token ids",
-            "model": "the model's files", "device": "the device type"}
-    changed = [f"{what[k]} ({saved.get(k)} -> {v})" for k, v in current.items()
-               if saved.get(k) != v]
-    if changed:
-        fail(f"--resume: {', '.join(changed)} changed since {checkpoint} was written, so "
-             "the resumed steps would differ from the run's: resume with the same data, "
-             "model and device, or use a new --output-dir.")
-
-
 # -----------------------------------------------------------------------------
 # Model guards: logits = final hidden state @ lm_head.weight^T; LoRA on all seven
-# projections of every decoder layer
-
-def local_path(value):
-    """True when `value` names a local file or directory, not a hub id (org/name)."""
-    path = Path(value).expanduser()
-    if path.exists() or value.startswith((".", "/", "~")) or value.count("/") > 1:
-        return True
-    return len(path.parts) > 1 and Path(path.parts[0]).is_dir()
-
+# projections of every decoder layer; a GPU-sized model on a GPU
 
 def check_model(args):
-    """The model's config, before its weights load: its logits, LoRA targets, size,
-    context."""
+    """The model's config, before its weights load."""
     from transformers import AutoConfig, AutoModelForCausalLM
-    name = f"--model {args.model}"
-    if local_path(args.model) and not Path(args.model).expanduser().is_dir():
-        fail(f"{name}: no such directory.")
+    path = Path(args.model).expanduser()
+    if (path.is_absolute() or args.model.startswith(".")) and not path.is_dir():
+        fail(f"--model {args.model}: no such directory: give a model directory or a hub id.")
     try:
         config = AutoConfig.from_pretrained(args.model)
-    except (OSError, ValueError) as e:
-        fail(f"{name}: cannot load its config ({str(e).splitlines()[0]}).")
+    except (OSError, ValueError) as e:  # transformers' first sentence
+        fail(f"--model {args.model}: cannot load its config ({str(e).splitlines()[0]}); "
+             "a hub id needs network, else give a local directory.")
     for field in ("final_logit_softcapping", "logit_scale", "logits_scaling"):
         if getattr(config, field, None) not in (None, 1):
-            fail(f"{name} ({config.model_type}) is not supported: its config sets {field} "
-                 f"= {getattr(config, field)}, but the loss builds logits as "
-                 "final_hidden @ lm_head.weight^T.")
+            fail(f"--model {args.model}: its config sets {field} = {getattr(config, field)}; "
+                 "the loss needs logits = final_hidden @ lm_head.weight^T: choose another --model.")
     with torch.device("meta"):  # the modules without their weights
         skeleton = AutoModelForCausalLM.from_config(config)
     missing = missing_lora_targets(skeleton)
     if missing:
-        fail(f"{name} ({config.model_type}): LoRA needs {', '.join(LORA_TARGETS)} in every "
-             f"decoder layer, but {missing}.")
+        fail(f"--model {args.model} ({config.model_type}): LoRA needs "
+             f"{', '.join(LORA_TARGETS)} in every decoder layer, but {missing}: choose "
+             "another --model.")
     check_device(args, skeleton.num_parameters())
-    context = getattr(config, "max_position_embeddings", None)
+    context = getattr(config.get_text_config(), "max_position_embeddings", None)
     if context and args.max_prompt_length + args.max_new_tokens > context:
         fail(f"--max-prompt-length {args.max_prompt_length} + --max-new-tokens "
              f"{args.max_new_tokens} exceeds the model's context of {context} tokens: "
@@ -1464,21 +1391,15 @@ def check_model(args):
 
 
 def missing_lora_targets(model):
-    """None when every decoder layer holds each LoRA target as an nn.Linear, else
-    what is missing where."""
-    everywhere = set()
+    """None when every decoder layer (a module numbered in its name) holds each LoRA
+    target as an nn.Linear, else which layers lack which targets."""
     by_layer = {}  # layer number -> the names of its linear layers
     for name, m in model.named_modules():
-        if isinstance(m, nn.Linear):
-            short = name.rsplit(".", 1)[-1]
-            everywhere.add(short)
-            number = re.search(r"\.(\d+)\.", name)
-            if number:
-                by_layer.setdefault(int(number[1]), set()).add(short)
-    absent = [t for t in LORA_TARGETS if t not in everywhere]
-    if absent:
-        return (f"it has no linear layer named {', '.join(absent)}; its linear layers are "
-                f"{', '.join(sorted(everywhere))}")
+        number = re.search(r"\.(\d+)\.", name)
+        if isinstance(m, nn.Linear) and number:
+            by_layer.setdefault(int(number[1]), set()).add(name.rsplit(".", 1)[-1])
+    if not by_layer:
+        return "its decoder layers hold no nn.Linear"
     lacking = {}  # the targets a layer lacks -> the layers that lack them
     for number, names in sorted(by_layer.items()):
         missing = tuple(t for t in LORA_TARGETS if t not in names)
@@ -1491,21 +1412,13 @@ def missing_lora_targets(model):
 
 
 def check_device(args, parameters):
-    """--device cuda needs a GPU; --device auto trains no model above 0.1B parameters
-    on a CPU."""
-    if torch.cuda.is_available() or args.device == "cpu":
+    """--device auto trains no model above 0.1B parameters on a CPU."""
+    if torch.cuda.is_available():
         return
-    if args.device == "cuda":
-        fail("--device cuda, but no CUDA device is visible: use --device cpu.")
-    if parameters > 1e8:
-        build = "a CPU-only build"
-        if torch.version.cuda:
-            build = f"built for CUDA {torch.version.cuda}, finds no GPU"
-        visible = os.environ.get("CUDA_VISIBLE_DEVICES", "unset")
-        fail(f"--device auto: no CUDA device is visible (CUDA_VISIBLE_DEVICES={visible}; "
-             f"torch {torch.__version__}: {build}), and --model {args.model} has "
-             f"{parameters / 1e9:.2f}B parameters, too many for a CPU: make a GPU visible, "
-             "or pass --device cpu.")
+    if parameters > 1e8 and args.device == "auto":
+        fail(f"--device auto: torch {torch.__version__} sees no CUDA device, and --model "
+             f"{args.model} has {parameters / 1e9:.2f}B parameters, too many for a CPU: "
+             "make a GPU visible, or pass --device cpu.")
 
 
 def check_cuda_build():
@@ -1544,16 +1457,6 @@ def check_logits_path(model):
     return None
 
 
-def check_same_on_every_rank(lora_params):
-    """The LoRA weights' checksum alike on every rank: one MAX over ranks of
-    (checksum, -checksum) gives the largest and the smallest."""
-    checksum = torch.cat([p.detach().flatten() for p in lora_params]).double().sum()
-    high, neg_low = all_reduce(torch.stack([checksum, -checksum]), dist.ReduceOp.MAX).tolist()
-    if high != -neg_low:
-        fail(f"the ranks hold different LoRA weights (checksums {-neg_low!r} to {high!r}): "
-             "run the same opsd.py, torch and --seed, and resume the same files.")
-
-
 # -----------------------------------------------------------------------------
 # While it runs: every push read back from the engine; no update from a non-finite loss
 
@@ -1588,14 +1491,13 @@ def engine_fingerprints(model):
 
 
 def check_push(llm, model, out_dir):
-    """The engine holds what the push sent: each LoRA layer merged again, compared bit
-    for bit with the engine's weights."""
+    """Each LoRA layer merged again, compared bit for bit with the engine's weights."""
     engine = llm.apply_model(engine_fingerprints)[0]
     for name, m in lora_layers(model).items():
         if engine.get(f"{name}.weight") != fingerprint(m.merged_weight()):
             fail(f"the weight push failed: vLLM's {name} does not hold the merged weights "
-                 f"sent to it. Stopped; the last checkpoint is "
-                 f"{latest_checkpoint(out_dir) or 'none'}.")
+                 "sent to it (is vllm the version requirements.txt pins?). Stopped; the last "
+                 f"checkpoint is {latest_checkpoint(out_dir) or 'none'}.")
 
 
 def check_finite(step, loss, grad_norm, out_dir):
@@ -1603,68 +1505,63 @@ def check_finite(step, loss, grad_norm, out_dir):
     if not (math.isfinite(loss) and math.isfinite(grad_norm)):
         fail(f"step {step + 1}: non-finite loss ({loss}) or gradient norm ({grad_norm}); "
              "stopped before the update, last checkpoint: "
-             f"{latest_checkpoint(out_dir) or 'none'}.")
+             f"{latest_checkpoint(out_dir) or 'none'} (try a lower --lr).")
 
 
 # -----------------------------------------------------------------------------
-# When a run stops early. torchrun ends a node's other ranks when one fails, and its
-# report names the first failure. Done here: a refusal said once, by the rank that has
-# it; after Ctrl-C, the command that resumes; after an out of memory, the flags that
-# lower it; a failed rank ended without vLLM's or NCCL's teardown, which could wait.
+# When a run stops early: torchrun ends a node's other ranks when one fails; here a
+# refusal is said once, by a rank that has it, and a failed rank ends at once
 
-def error_file(text):
-    """Leave `text` where torchrun's report reads a rank's error (its Root Cause)."""
+def say(text, every_rank_has_it=False):
+    """Print `text` (rank 0 alone: every rank has it), and leave it for torchrun's report."""
+    if RANK == 0 or not every_rank_has_it:
+        print(text, file=sys.stderr, flush=True)
     path = os.environ.get("TORCHELASTIC_ERROR_FILE")
     if path:
         message = {"message": text, "extraInfo": {"timestamp": int(time.time())}}
         Path(path).write_text(json.dumps({"message": message}))
 
 
-def say(text):
-    print(text, file=sys.stderr, flush=True)
-    error_file(text)
-
-
-def say_once(text):
-    """A sentence every rank has: rank 0 prints it, every rank leaves it for torchrun."""
-    print0(text, file=sys.stderr)
-    error_file(text)
-
-
 @contextmanager
 def ranks_agree(device):
     """Checks each rank makes on its own, then one collective: if any refused, all
-    stop. A refusal every rank made alike is said by rank 0; else each refusing rank
-    says its own, after its rank, and ends first."""
+    stop. Rank 0 says its refusal (every rank has it, as a rule), else each refusing
+    rank says its own."""
     problem = None
     try:
         yield
     except Refusal as e:
         problem = str(e)
     refused = int(problem is not None)
-    crc = -1
-    if problem:
-        crc = zlib.crc32(problem.encode())
-    # one MAX over ranks: did any refuse, did all, the largest and smallest sentence
-    flags = torch.tensor([refused, -refused, crc, -crc], device=device)
-    any_refused, not_all, high, neg_low = all_reduce(flags, dist.ReduceOp.MAX).tolist()
+    # one MAX over ranks: did rank 0 refuse, did any
+    flags = torch.tensor([refused * (RANK == 0), refused], device=device)
+    rank_0_refused, any_refused = all_reduce(flags, dist.ReduceOp.MAX).tolist()
     if not any_refused:
         return
-    if not_all == -1 and high == -neg_low:  # every rank, the same sentence
-        say_once(f"opsd.py: error: {problem}")
-        raise SystemExit(2)
-    if problem:
+    if rank_0_refused:
+        say(f"opsd.py: error: {problem}", every_rank_has_it=True)
+    elif problem:
         say(f"opsd.py: error: rank {RANK}: {problem}")
-        raise SystemExit(2)
-    time.sleep(2)  # the refusing ranks end first, so that torchrun's report names one
-    say(f"opsd.py: rank {RANK} stopped: another rank refused the run (its log says why).")
+    else:
+        time.sleep(2)  # the refusing ranks end first, so torchrun's report names one
     raise SystemExit(2)
+
+
+def resume_command(argv):
+    """The command that continues this run from its last checkpoint."""
+    flags = [a for a in argv or sys.argv[1:] if a not in ("--overwrite", "--resume")]
+    launcher = "python"
+    if WORLD_SIZE > 1:
+        launcher = f"torchrun --nproc_per_node {WORLD_SIZE}"
+    local_size = int(os.environ.get("LOCAL_WORLD_SIZE", WORLD_SIZE))
+    if local_size != WORLD_SIZE:
+        launcher = "torchrun (on every node, launched as before)"
+    return f"{launcher} opsd.py {shlex.join(flags)} --resume"
 
 
 @contextmanager
 def stop_cleanly(run):
-    """How main() ends early (`run`: its argv, args and step). A refusal every rank
-    meets alike (a flag, a non-finite loss) is said by rank 0."""
+    """How main() ends early (`run`: its argv, args and step)."""
     interrupted = []
 
     def on_interrupt(signum, frame):
@@ -1674,7 +1571,7 @@ def stop_cleanly(run):
     try:
         yield
     except Refusal as e:
-        say_once(f"opsd.py: error: {e}")
+        say(f"opsd.py: error: {e}", every_rank_has_it=True)
         raise SystemExit(2)
     except (Exception, KeyboardInterrupt) as e:
         signal.signal(signal.SIGINT, signal.SIG_IGN)  # torchrun passes Ctrl-C on: once is enough
@@ -1685,8 +1582,12 @@ def stop_cleanly(run):
         if run["args"]:
             last = latest_checkpoint(run["args"].output_dir)
         if interrupted:
-            if RANK == 0:
-                say(interrupt_message(run["argv"], where, last))
+            # each checkpoint's line also holds the command, for when rank 0 cannot print
+            resume = "no checkpoint yet, so nothing to resume"
+            if last:
+                resume = f"the last checkpoint is {last}; continue with: "
+                resume += resume_command(run["argv"])
+            print0(f"opsd.py: interrupted {where}; {resume}", file=sys.stderr)
             os._exit(130)
         if isinstance(e, torch.OutOfMemoryError):
             print(f"torch.OutOfMemoryError: {e}", file=sys.stderr)
@@ -1694,8 +1595,8 @@ def stop_cleanly(run):
                 f"--loss-chunk-size or --vllm-memory; the last checkpoint is {last}.")
             os._exit(1)
         if isinstance(e, CollectiveError):
-            say(f"opsd.py: rank {RANK} stopped {where}: a collective failed ({e}); if "
-                f"another rank stopped first, its log says why. The last checkpoint is {last}.")
+            say(f"opsd.py: rank {RANK}: a collective failed {where} (the last checkpoint is "
+                f"{last}): {e}")
             os._exit(1)
         if WORLD_SIZE == 1:
             raise  # no other rank waits: Python's own traceback and exit
@@ -1706,18 +1607,6 @@ def stop_cleanly(run):
         os._exit(1)  # not through vLLM's teardown, which could wait for the others
     finally:
         signal.signal(signal.SIGINT, previous)
-
-
-def interrupt_message(argv, where, last):
-    """What rank 0 says after Ctrl-C: where the run stopped, and how to go on."""
-    if last is None:
-        return f"opsd.py: interrupted {where}; no checkpoint yet, so nothing to resume."
-    flags = [a for a in argv or sys.argv[1:] if a not in ("--overwrite", "--resume")]
-    launcher = "python"
-    if WORLD_SIZE > 1:
-        launcher = f"torchrun --nproc_per_node {WORLD_SIZE}"
-    return (f"opsd.py: interrupted {where}; the last checkpoint is {last}; continue "
-            f"with: {launcher} opsd.py {shlex.join(flags)} --resume")
 
 
 if __name__ == "__main__":

@@ -1,10 +1,11 @@
 """opsd.py with one fault on rank 1 alone, for tests/test_ranks.py and tests/test_train.py (not collected by pytest):
 
-    FAULT=oom|bug|kill|hang|data:PATH|output-dir:PATH torchrun --nproc_per_node 2 tests/fault_launch.py OPSD_FLAGS...
+    FAULT=oom|bug|kill|hang|data:PATH|output-dir:PATH|slow-final torchrun --nproc_per_node 2 tests/fault_launch.py OPSD_FLAGS...
 
 data:PATH and output-dir:PATH give rank 1 another --dataset or --output-dir (a file that is not there, a corrupt one,
 a directory the other rank does not see); oom raises torch.OutOfMemoryError in rank 1's third step, bug a RuntimeError, kill sends
-rank 1 SIGKILL there, hang SIGSTOP (a rank that neither answers nor ends). Rank 1 prints "fault at <unix time> in
+rank 1 SIGKILL there, hang SIGSTOP (a rank that neither answers nor ends); slow-final makes rank 0's final save
+take 10 s longer. Rank 1 prints "fault at <unix time> in
 <pid>" to stderr just before its fault."""
 
 import os
@@ -19,7 +20,18 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import opsd  # noqa: E402
 
 kind, _, value = os.environ["FAULT"].partition(":")
-if os.environ["RANK"] == "1":
+if kind == "slow-final" and os.environ["RANK"] == "0":
+    save = opsd.save_run_state
+
+    def slow_final_save(*args, **kwargs):
+        if len(args) < 6 and "state" not in kwargs:  # final/, after the last step
+            print("slow final save", file=sys.stderr, flush=True)
+            time.sleep(10)
+        return save(*args, **kwargs)
+    opsd.save_run_state = slow_final_save
+elif kind == "slow-final":
+    pass
+elif os.environ["RANK"] == "1":
     if kind in ("data", "output-dir"):
         flag = "--dataset" if kind == "data" else "--output-dir"
         sys.argv[sys.argv.index(flag) + 1] = value

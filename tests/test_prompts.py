@@ -132,10 +132,10 @@ def test_two_context_columns_are_joined_and_each_row_checked(tmp_path, capsys):
     jsonl = write_jsonl(tmp_path / "e.jsonl", rows)
     with pytest.raises(opsd.Refusal) as refused:
         opsd.load_rows(jsonl, "train", "problem", "solution,COT_Reason")
-    assert str(refused.value) == f"--dataset {jsonl}, row 3: 'COT_Reason' is None, not a string."
+    assert str(refused.value) == f"--dataset {jsonl}, row 3: 'COT_Reason' is None, not a string: fix or drop the row."
     with pytest.raises(opsd.Refusal) as refused:
         opsd.load_rows(jsonl, "train", "problem", "solution,")
-    assert "--context-column 'solution,': an empty column name" in str(refused.value)
+    assert "has no column '' (--context-column)" in str(refused.value)
     with pytest.raises(opsd.Refusal) as refused:
         opsd.load_rows(jsonl, "train", "problem", "solution,trace")
     assert "has no column 'trace' (--context-column)" in str(refused.value)
@@ -197,7 +197,7 @@ def test_a_reference_without_boxed_is_refused_naming_its_row_and_the_fingerprint
     rows = ROWS + [("Name a prime.", "Seven is prime.")]
     with pytest.raises(opsd.Refusal) as refusal:
         opsd.shown_contexts(rows, "answer", 0)
-    assert str(refusal.value) == "--teacher-context answer: row 5 ('Name a prime.') has no \\boxed{} in its reference."
+    assert str(refusal.value) == "--teacher-context answer: row 5 ('Name a prime.') has no \\boxed{} in its reference: add one, or drop the row."
     args = opsd.parse_args(["--teacher-context", "answer"])
     assert args.teacher_context == "answer" and opsd.parse_args([]).teacher_context == "reference"
     device = torch.device("cpu")
@@ -205,6 +205,6 @@ def test_a_reference_without_boxed_is_refused_naming_its_row_and_the_fingerprint
     for shown in opsd.TEACHER_CONTEXTS:  # a resume with another switch finds other prompt ids, and is refused
         prompts = opsd.build_prompts(tok, opsd.shown_contexts(ROWS, shown, 0), student_thinking=False,
                                      teacher_thinking=True, max_prompt_length=4096)
-        prints.add(opsd.run_fingerprint(opsd.parse_args(["--model", str(tmp_path)]), prompts, device)
+        prints.add(opsd.run_record(opsd.parse_args(["--model", str(tmp_path)]), prompts, device)
                    ["prompt_ids_sha256"])
     assert len(prints) == 4
