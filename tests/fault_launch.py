@@ -5,7 +5,7 @@
 data:PATH and output-dir:PATH give rank 1 another --dataset or --output-dir (a file that is not there, a corrupt one,
 a directory the other rank does not see); oom raises torch.OutOfMemoryError in rank 1's third step, bug a RuntimeError, kill sends
 rank 1 SIGKILL there, hang SIGSTOP (a rank that neither answers nor ends); slow-final makes rank 0's final save
-take 10 s longer. Rank 1 prints "fault at <unix time> in
+take 5 s longer. Rank 1 prints "fault at <unix time> in
 <pid>" to stderr just before its fault."""
 
 import os
@@ -26,7 +26,7 @@ if kind == "slow-final" and os.environ["RANK"] == "0":
     def slow_final_save(*args, **kwargs):
         if len(args) < 6 and "state" not in kwargs:  # final/, after the last step
             print("slow final save", file=sys.stderr, flush=True)
-            time.sleep(10)
+            time.sleep(5)
         return save(*args, **kwargs)
     opsd.save_run_state = slow_final_save
 elif kind == "slow-final":

@@ -149,8 +149,8 @@ def test_on_gpus_the_nccl_communicator_is_made_when_the_process_group_starts(mon
 
 def test_a_slow_final_save_on_rank_0_does_not_fail_a_finished_run(tiny_model_dir, tmp_path):
     """Rank 0 writes final/ (and finishes wandb) while the other ranks end: none waits for it in a collective,
-    which --collective-timeout (here 6 s) would end. Rank 0's final save takes 10 s here."""
-    code, torchrun, ranks, _ = launch(tiny_model_dir, tmp_path, "slow-final", "--max-steps", "2",
-                                      "--collective-timeout", "0.1")
+    which --collective-timeout (here 3 s) would end. Rank 0's final save takes 5 s more here."""
+    code, torchrun, ranks, _ = launch(tiny_model_dir, tmp_path, "slow-final", "--max-steps", "1",
+                                      "--collective-timeout", "0.05")
     assert code == 0, (torchrun[-2000:], ranks.get(0, "")[-2000:], ranks.get(1, "")[-2000:])
     assert "slow final save" in ranks[0] and (tmp_path / "out" / "final" / "adapter_model.safetensors").exists()
