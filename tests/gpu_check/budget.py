@@ -85,6 +85,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 import opsd  # noqa: E402
+from eval import AT_LEAST_1, NON_NEGATIVE, SHARE, checked  # noqa: E402
 
 GIB = 2 ** 30
 # CUDA context and allocator fragmentation: the room a budget must leave
@@ -139,21 +140,8 @@ def refuse(message):
     raise SystemExit(2)
 
 
-def checked(kind, ok, rule):
-    """An argparse type: the text read as `kind`, refused unless ok(value)."""
-    def parse(text):
-        value = kind(text)
-        if not ok(value):
-            raise argparse.ArgumentTypeError(f"must be {rule}, got {text}")
-        return value
-    parse.__name__ = kind.__name__  # for argparse's "invalid int value"
-    return parse
-
-
-AT_LEAST_1 = checked(int, lambda v: v >= 1, "at least 1")
+# argparse types: eval.py's (imported above), and one of our own
 POSITIVE = checked(float, lambda v: v > 0, "positive")
-NON_NEGATIVE = checked(float, lambda v: v >= 0, "0 or more")
-SHARE = checked(float, lambda v: 0 < v <= 1, "in (0, 1]")
 
 
 # -----------------------------------------------------------------------------

@@ -35,7 +35,6 @@ import argparse
 import contextlib
 import io
 import math
-import os
 import sys
 from pathlib import Path
 
@@ -44,6 +43,7 @@ import torch
 HERE = Path(__file__).resolve().parent
 sys.path[:0] = [str(HERE.parents[1]), str(HERE)]
 import budget  # noqa: E402
+from eval import use_cache_if_hub_silent  # noqa: E402
 import opsd  # noqa: E402
 
 LOGIT_FIELDS = ("final_logit_softcapping", "logit_scale", "logits_scaling")  # as opsd.check_model
@@ -229,20 +229,6 @@ def run_budget(own, flags, prompt_lengths):
         pass
     said = [line.split(": ", 1)[1] for line in err.getvalue().splitlines() if line.startswith("budget.py: ")]
     return [f"budget.py: {s.removeprefix('error: ')}" for s in said]
-
-
-def use_cache_if_hub_silent(timeout_s=3):
-    """Without network the Hugging Face libraries retry each request for ~25 s, printing each retry: set
-    HF_HUB_OFFLINE (read when they are imported) if the Hub does not answer within timeout_s, so that they
-    go to their cache at once (eval.py's way)."""
-    import urllib.error
-    import urllib.request
-    try:
-        request = urllib.request.Request(os.environ.get("HF_ENDPOINT", "https://huggingface.co"), method="HEAD")
-        urllib.request.urlopen(request, timeout=timeout_s).close()
-    except (OSError, ValueError) as e:  # no answer in time; an HTTP error is an answer
-        if not isinstance(e, urllib.error.HTTPError):
-            os.environ["HF_HUB_OFFLINE"] = "1"
 
 
 def preflight(own, flags):
