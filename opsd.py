@@ -289,9 +289,8 @@ def merged_weights(model):
 # -----------------------------------------------------------------------------
 # Rollout: one vLLM engine per rank samples from token ids; weights pushed in place
 
-# vLLM on a CPU (eval.py's too): no CUDA graphs to capture, and whole prompts. A
-# prompt prefilled in chunks samples (and discards) a token per chunk, then rewinds
-# its seeded generator, which a CPU torch.Generator cannot do.
+# vLLM on a CPU (eval.py's too): no CUDA graphs, and whole prompts (a chunked prefill
+# rewinds a seeded generator, which a CPU torch.Generator cannot do)
 CPU_ENGINE = {"enforce_eager": True, "enable_chunked_prefill": False}
 
 
@@ -540,7 +539,8 @@ def join_stats(stats):
 def opsd_loss(student_hidden, student_mask, teacher_hidden, teacher_mask, lm_head_weight,
               num_tokens, targets=None, *, loss_positions=None, beta=0.0, temperature=1.0,
               clip="entry", tau=0.05, chunk_size=256):
-    """(loss, stats) of one micro-batch: plain_loss's value and gradient, in chunks.
+    """(loss, stats) of one micro-batch: plain_loss's value and gradient over the
+    positions in the loss, computed in chunks.
 
     The hidden states (B, T, H) come before the frozen lm_head. Each mask (B, T)
     selects the N positions scored, in the same order on both sides; the caller
@@ -833,9 +833,9 @@ def main(argv=None):
             resume_from = check_output_dir(args)
             check_model(args)
             tokenizer, prompts = load_prompts(args)
-            record = run_record(args, prompts, device)
+            args_record = run_record(args, prompts, device)
             if resume_from:
-                check_resume(record, out_dir)
+                check_resume(args_record, out_dir)
             try:  # the first thing written: every check has passed
                 out_dir.mkdir(parents=True, exist_ok=True)
             except OSError as e:
@@ -859,7 +859,7 @@ def main(argv=None):
             print0(f"resumed from {resume_from} at step {start_step}")
         tracker = None
         if RANK == 0:
-            tracker = open_run(args, start_step, record)
+            tracker = open_run(args, start_step, args_record)
         loss_kw = {"beta": args.beta, "temperature": args.loss_temperature,
                    "clip": args.clip, "tau": args.tau, "chunk_size": args.loss_chunk_size}
         pad_id = tokenizer.pad_token_id
@@ -1120,7 +1120,7 @@ def load_adapter(model, adapter_dir):
 
 
 def restore(checkpoint, model, lora_params, optimizer):
-    """(step, the EMA teacher's LoRA or None, the KL window) of a checkpoint."""
+    """(step, the EMA teacher's LoRA or None, the KL window), loaded."""
     state = torch.load(checkpoint / "trainer_state.pt", map_location="cpu", weights_only=True)
     optimizer.load_state_dict(state["optimizer"])  # moved to the parameters' device
     ema = None
@@ -1164,7 +1164,7 @@ def flush(path):
 # -----------------------------------------------------------------------------
 # Logs: args.json, the step line, metrics.jsonl, rollouts.jsonl; wandb when asked
 
-def open_run(args, start_step, record):
+def open_run(args, start_step, args_record):
     """Rank 0: the old run deleted (--overwrite), args.json, the logs cut back to the
     resumed step, Weights & Biases."""
     out_dir = Path(args.output_dir)
@@ -1174,7 +1174,7 @@ def open_run(args, start_step, record):
                 shutil.rmtree(path)
             else:
                 path.unlink()
-    write_atomically(out_dir / "args.json", json.dumps(record, indent=2) + "\n")
+    write_atomically(out_dir / "args.json", json.dumps(args_record, indent=2) + "\n")
     for path in (out_dir / "metrics.jsonl", out_dir / "rollouts.jsonl"):
         if path.exists():
             lines = path.read_text().splitlines()
@@ -1308,9 +1308,9 @@ CONTENTS = {"prompt_ids_sha256": "prompts", "model_sha256": "model files",
             "device_type": "device type"}
 
 
-def check_resume(record, out_dir):
+def check_resume(args_record, out_dir):
     saved = json.loads((out_dir / "args.json").read_text())
-    changed = [key for key, value in record.items()
+    changed = [key for key, value in args_record.items()
                if key not in RESUMABLE_CHANGES and saved.get(key) != value]
     if changed:
         names = [CONTENTS.get(key, "--" + key.replace("_", "-")) for key in changed]
@@ -1534,7 +1534,7 @@ def ranks_agree(device):
         problem = str(e)
     refused = int(problem is not None)
     # one MAX over ranks: did rank 0 refuse, did any
-    flags = torch.tensor([refused * (RANK == 0), refused], device=device)
+    flags = torch.tensor([int(RANK == 0 and refused), refused], device=device)
     rank_0_refused, any_refused = all_reduce(flags, dist.ReduceOp.MAX).tolist()
     if not any_refused:
         return
@@ -1548,7 +1548,7 @@ def ranks_agree(device):
 
 
 def resume_command(argv):
-    """The command that continues this run from its last checkpoint."""
+    """How to continue this run from its last checkpoint."""
     flags = [a for a in argv or sys.argv[1:] if a not in ("--overwrite", "--resume")]
     launcher = "python"
     if WORLD_SIZE > 1:
