@@ -86,7 +86,7 @@ def parse_args(argv=None):
 
 def prompt_ids(tokenizer, problem, thinking):
     """The released evaluation's prompt (opsd.py --student-prompt eval trains in it), as token ids."""
-    return opsd.render(tokenizer, opsd.eval_message(problem), thinking)
+    return opsd.render(tokenizer, opsd.student_message(problem, "eval"), thinking)
 
 def sample_seed(seed, benchmark, problem, sample):
     digest = hashlib.sha256(f"{seed}/{benchmark}/{problem}/{sample}".encode()).digest()  # hash() is salted

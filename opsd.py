@@ -1,20 +1,18 @@
 """
 On-Policy Self-Distillation (OPSD) for LLM reasoning, in one file.
 
-    torchrun --nproc_per_node 4 opsd.py --clip token --skip-first-tokens 1   # Qwen3-1.7B, 4 GPUs
-    python opsd.py --model DIR --dataset FILE.jsonl ...                      # one process
-    torchrun --nproc_per_node 2 opsd.py --model tests/miniature/model ...    # the CPU quickstart
+    torchrun --nproc_per_node 4 opsd.py --clip token --skip-first-tokens 1  # Qwen3-1.7B
 
-One model plays two roles. The student sees only the problem; the teacher is the same
-network, and its prompt also holds a reference solution. Each optimizer step:
+One model plays two roles: the student sees the problem; the teacher, the same network,
+also sees a reference solution. Each optimizer step:
   1. the student samples an answer to each problem with vLLM (one engine per rank);
-  2. the teacher (by default the base model: LoRA switched off) scores that answer;
+  2. the teacher (by default the base model: LoRA off) scores that answer;
   3. at every answer position, the student's next-token distribution is pulled towards
      the teacher's with a full-vocabulary KL; only LoRA weights train;
   4. the merged LoRA weights are pushed into the running vLLM engine, in place.
 
-Where it departs from the released recipe, and why: README.md, "Departures".
-Then: the helpers the method calls; Part 1, the method; Part 2, the run; Part 3, the guards.
+Departures from the released recipe: README.md. Then: the helpers the method calls;
+Part 1, the method; Part 2, the run; Part 3, the guards.
 """
 
 import argparse
@@ -47,10 +45,9 @@ import torch.nn as nn
 import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 
-# -----------------------------------------------------------------------------
 # Helpers the method calls
 
-# torchrun sets RANK and WORLD_SIZE; `python opsd.py` is a world of one
+# torchrun sets them; `python opsd.py` is a world of one
 RANK = int(os.environ.get("RANK", 0))
 WORLD_SIZE = int(os.environ.get("WORLD_SIZE", 1))
 
@@ -68,29 +65,16 @@ def fail(message):
     raise Refusal(message)
 
 
-class CollectiveError(RuntimeError):
-    """A collective failed; its error, whole."""
-
-
 def all_reduce(tensor, op=dist.ReduceOp.SUM):
     """Sum (or `op`) over ranks, in place; a world of one keeps its tensor."""
-    if not dist.is_initialized():
-        return tensor
-    try:
+    if dist.is_initialized():
         dist.all_reduce(tensor, op)
-    except torch.OutOfMemoryError:
-        raise
-    except RuntimeError as e:  # a lost or late peer (gloo); NCCL, a communicator, CUDA
-        raise CollectiveError(str(e)) from e
     return tensor
 
 
-# =============================================================================
-# PART 1: THE METHOD
-# =============================================================================
+# PART 1: THE METHOD ==========================================================
 
-# -----------------------------------------------------------------------------
-# Prompts: the released recipe's strings, rendered once to token ids
+# Prompts: the released recipe's strings
 
 INSTRUCTION = "Please reason step by step, and put your final answer within \\boxed{}."
 TRANSITION = (
@@ -102,25 +86,18 @@ TRANSITION = (
 )
 
 
-def eval_message(problem):
-    """The released evaluation's prompt (eval.py's): no 'Problem: ' prefix."""
-    return f"{problem}\n\n{INSTRUCTION}"
-
-
 def student_message(problem, prompt="recipe"):
-    """The recipe's student message; with prompt="eval", eval.py's prompt, so that
-    the student trains in the prompt it is scored in."""
+    """The recipe's student message, or (prompt="eval") its evaluation's."""
     if prompt == "eval":
-        return eval_message(problem)
+        return f"{problem}\n\n{INSTRUCTION}"
     return f"Problem: {problem}\n\n{INSTRUCTION}"
 
 
 def teacher_message(problem, context):
-    """The problem, then the privileged context: a reference solution. With no
-    context (--teacher-context none), the problem and the instruction alone: the
-    transition speaks of the reference, so it goes with it."""
+    """The problem, then the privileged context (a reference solution); without
+    one, the student's message."""
     if context is None:
-        return f"Problem: {problem}\n\n{INSTRUCTION}"
+        return student_message(problem)
     return (
         f"Problem: {problem}\n\n"
         "Here is a reference solution to this problem:\n"
@@ -132,8 +109,7 @@ def teacher_message(problem, context):
 
 
 def extract_boxed(text):
-    """The content of the last \\boxed{...}, braces matched; None when there is none or
-    its braces never close."""
+    """The content of the last \\boxed{...}, braces matched, or None."""
     start = text.rfind("\\boxed{")
     if start < 0 or start != text.rfind("\\boxed"):
         return None
@@ -148,24 +124,22 @@ def extract_boxed(text):
     return None
 
 
-# What the teacher is shown in place of its row's reference (--teacher-context)
 TEACHER_CONTEXTS = ("reference", "none", "other", "answer")
 
 
 def shown_contexts(rows, shown, seed):
-    """(problem, context) rows as the teacher sees them (--teacher-context)."""
-    if shown == "none":  # no reference block
+    """The rows as --teacher-context shows them to the teacher."""
+    if shown == "none":
         return [(problem, None) for problem, _ in rows]
-    if shown == "other":  # another row's reference, the same on every rank and resume
+    if shown == "other":  # another row's reference, alike on every rank and resume
         if len(rows) < 2:
-            fail("--teacher-context other needs at least two rows: add rows to --dataset.")
-        # one cycle through a seeded order: row order[i] gets the reference of row
-        # order[i + 1], so no row gets its own
+            fail("--teacher-context other needs at least two rows.")
+        # one cycle through a seeded order: row order[i] gets row order[i + 1]'s
         order = list(range(len(rows)))
         random.Random(seed).shuffle(order)
         donor = dict(zip(order, order[1:] + order[:1]))
         return [(problem, rows[donor[i]][1]) for i, (problem, _) in enumerate(rows)]
-    if shown == "answer":  # the last \boxed{} of the row's reference, alone
+    if shown == "answer":  # the last \boxed{} of the row's reference
         answers = []
         for number, (problem, reference) in enumerate(rows, 1):
             answer = extract_boxed(reference)
@@ -178,16 +152,15 @@ def shown_contexts(rows, shown, seed):
 
 
 def render(tokenizer, message, thinking):
-    """Token ids of a one-turn chat ending in the assistant's generation prompt."""
     chat = [{"role": "user", "content": message}]
-    return tokenizer.apply_chat_template(chat, add_generation_prompt=True, tokenize=True,
-                                         enable_thinking=thinking, return_dict=False)
+    return tokenizer.apply_chat_template(
+        chat, add_generation_prompt=True, tokenize=True, enable_thinking=thinking,
+        return_dict=False)
 
 
 def build_prompts(tokenizer, rows, *, student_thinking, teacher_thinking,
                   max_prompt_length, student_prompt="recipe"):
-    """[(student prompt ids, teacher prompt ids)] of (problem, context) rows, less
-    the rows whose prompts are longer than max_prompt_length."""
+    """[(student ids, teacher ids)] of the rows that fit max_prompt_length."""
     prompts = []
     for problem, context in rows:
         student = render(tokenizer, student_message(problem, student_prompt),
@@ -195,50 +168,40 @@ def build_prompts(tokenizer, rows, *, student_thinking, teacher_thinking,
         teacher = render(tokenizer, teacher_message(problem, context), teacher_thinking)
         if max(len(student), len(teacher)) <= max_prompt_length:
             prompts.append((student, teacher))
-    dropped = len(rows) - len(prompts)
-    print0(f"data: {len(prompts)} prompts, {dropped} dropped as longer than "
-           f"{max_prompt_length} tokens")
+    print0(f"data: {len(prompts)} prompts, {len(rows) - len(prompts)} dropped as longer "
+           f"than {max_prompt_length} tokens")
     if not prompts:
         fail(f"No row fits --max-prompt-length {max_prompt_length}: raise it.")
     return prompts
 
 
 def step_indices(step, prompts_per_step, num_prompts, seed):
-    """Prompt indices of optimizer step `step`. Each epoch is a fresh permutation
-    seeded by seed + epoch, so the order is a function of (seed, step) alone and a
-    resumed run needs no data-loader state."""
+    """Prompt indices of step `step`: each epoch a permutation seeded by seed + epoch."""
     indices = []
-    permutations = {}
-    first = step * prompts_per_step
-    for position in range(first, first + prompts_per_step):
+    for position in range(step * prompts_per_step, (step + 1) * prompts_per_step):
         epoch, i = divmod(position, num_prompts)
-        if epoch not in permutations:
-            generator = torch.Generator().manual_seed(seed + epoch)
-            permutations[epoch] = torch.randperm(num_prompts, generator=generator).tolist()
-        indices.append(permutations[epoch][i])
+        order = torch.randperm(num_prompts, generator=torch.Generator().manual_seed(seed + epoch))
+        indices.append(int(order[i]))
     return indices
 
 
-# -----------------------------------------------------------------------------
 # LoRA: y = W x + (alpha / r) B A x on every attention and MLP projection
 
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
 class LoRALinear(nn.Module):
-    """A frozen linear layer plus a trainable low-rank update. `weight` and `bias`
-    keep their names, which are vLLM's. A and B are float32 even in a bf16 model:
-    an update of lr 5e-6 would round away in bf16."""
+    """A frozen linear layer plus a trainable low-rank update, in float32 (an lr of
+    5e-6 would round away in bf16). `weight` and `bias` keep vLLM's names."""
 
-    def __init__(self, base: nn.Linear, r: int, alpha: float, generator: torch.Generator):
+    def __init__(self, base, r, alpha, generator):
         super().__init__()
         self.weight = base.weight  # (out, in)
         self.bias = base.bias  # (out,) or None
         self.r = r
         self.alpha = alpha
         self.scale = alpha / r
-        # A is drawn on the CPU, then moved, so every device and rank starts alike;
-        # B = 0, so training starts at the base model
+        # A drawn on the CPU: every device and rank starts alike; B = 0: the base model
         lora_A = torch.empty(r, base.in_features)
         nn.init.kaiming_uniform_(lora_A, a=math.sqrt(5), generator=generator)
         device = base.weight.device
@@ -255,8 +218,7 @@ class LoRALinear(nn.Module):
         return y + (self.scale * update).to(y.dtype)
 
     def merged_weight(self):
-        """W + (alpha / r) B A in the model's dtype, out of place: W itself is never
-        touched, so the fixed teacher cannot drift."""
+        """W + (alpha / r) B A in the model's dtype, out of place."""
         update = self.scale * (self.lora_B @ self.lora_A)
         return (self.weight.float() + update).to(self.weight.dtype)
 
@@ -266,9 +228,7 @@ def lora_layers(model):
 
 
 def add_lora(model, r, alpha, seed=0, targets=LORA_TARGETS):
-    """Wrap every nn.Linear named in `targets`, freeze everything else, and return
-    the LoRA parameters. The A matrices come from one CPU generator seeded with
-    `seed`, in module order."""
+    """Wrap every nn.Linear named in `targets`, freeze the rest; the LoRA parameters."""
     model.requires_grad_(False)
     generator = torch.Generator().manual_seed(seed)
     for module in list(model.modules()):
@@ -280,22 +240,20 @@ def add_lora(model, r, alpha, seed=0, targets=LORA_TARGETS):
 
 @torch.no_grad()
 def merged_weights(model):
-    """(HF parameter name, merged weight) per LoRA layer, one at a time: never a
-    second copy of the model."""
+    """(HF parameter name, merged weight), one layer at a time."""
     for name, m in lora_layers(model).items():
         yield f"{name}.weight", m.merged_weight()
 
 
-# -----------------------------------------------------------------------------
-# Rollout: one vLLM engine per rank samples from token ids; weights pushed in place
+# Rollout: one vLLM engine per rank; weights pushed in place
 
-# vLLM on a CPU (eval.py's too): no CUDA graphs, and whole prompts (a chunked prefill
-# rewinds a seeded generator, which a CPU torch.Generator cannot do)
+# vLLM on a CPU: no CUDA graphs; no chunked prefill (it rewinds a seeded generator,
+# which a CPU torch.Generator cannot do)
 CPU_ENGINE = {"enforce_eager": True, "enable_chunked_prefill": False}
 
 
 def engine_environment(cpu):
-    """vLLM logs errors only; on a CPU its KV cache gets 1 GiB."""
+    """vLLM's errors only, without two notices; on a CPU, a KV cache of 1 GiB."""
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
     logging.getLogger("vllm.triton_utils.importing").setLevel(logging.ERROR)
     warnings.filterwarnings("ignore", r"`torch\.distributed\.reduce_op` is deprecated",
@@ -305,9 +263,7 @@ def engine_environment(cpu):
 
 
 def start_engine(args, device):
-    """This rank's vLLM engine. Under torchrun every rank runs its own engine,
-    tensor-parallel 1, inside its own process ("external_launcher"). Its start-up
-    collectives wait --collective-timeout, like the run's own."""
+    """This rank's vLLM engine, in this process; its start-up waits --collective-timeout."""
     from vllm import LLM
     max_model_len = args.max_prompt_length + args.max_new_tokens
     extra = {"gpu_memory_utilization": args.vllm_memory}
@@ -319,39 +275,34 @@ def start_engine(args, device):
     timeout = int(args.collective_timeout * 60)
     return LLM(
         model=args.model, dtype=args.dtype, max_model_len=max_model_len,
-        seed=args.seed + RANK,  # every request has a seed: this one keeps others apart
-        max_num_seqs=max(1, args.prompts_per_step // WORLD_SIZE),  # a step's, at once
+        seed=args.seed + RANK, max_num_seqs=args.prompts_per_step // WORLD_SIZE,
         max_num_batched_tokens=max(max_model_len, 8192),  # at least one whole sequence
         distributed_executor_backend=launcher, distributed_timeout_seconds=timeout,
         cpu_distributed_timeout_seconds=timeout, **extra)
 
 
 def sample(llm, prompts, seeds, args):
-    """Completions (token ids, ending in EOS when one was sampled), and vLLM's raw
-    log-prob of each token (before temperature and top-k/top-p). One seed per
-    request: the in-process engine shares torch's global RNG."""
+    """Completions (token ids, EOS included when sampled) and vLLM's raw log-prob of
+    each token (before temperature, top-k, top-p). One seed per request."""
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
-    params = [SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
-                             seed=seed, max_tokens=args.max_new_tokens, logprobs=0)
-              for seed in seeds]
+    params = [SamplingParams(
+        temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=seed,
+        max_tokens=args.max_new_tokens, logprobs=0) for seed in seeds]
     requests = [TokensPrompt(prompt_token_ids=p) for p in prompts]
     completions = []
     logprobs = []
     for out in llm.generate(requests, params, use_tqdm=False):
         tokens = list(out.outputs[0].token_ids)
-        per_token = out.outputs[0].logprobs  # one {token id: Logprob} per token
         completions.append(tokens)
-        logprobs.append([lp[t].logprob for lp, t in zip(per_token, tokens)])
+        logprobs.append([lp[t].logprob for lp, t in zip(out.outputs[0].logprobs, tokens)])
     return completions, logprobs
 
 
 def push_weights(llm, model):
-    """Update the inference engine's weights: the merged LoRA weights go into the
-    running engine, in place. Then its prefix cache is dropped: its KV entries were
-    computed with the old weights. (Part 3 reads the weights back.)"""
-    # vLLM stacks q/k/v and gate/up itself; all seven projections are sent, so every
-    # fused group is complete
+    """The merged LoRA weights into the running engine, in place; then its prefix
+    cache (of the old weights) is dropped."""
+    # all seven projections: vLLM stacks q/k/v and gate/up itself
     weights = {"weights_iterator": merged_weights(model), "is_checkpoint_format": True}
     llm.collective_rpc("reload_weights", kwargs=weights)
     llm.reset_prefix_cache()
@@ -361,12 +312,11 @@ def stop_engine(llm):
     llm.llm_engine.engine_core.shutdown()
 
 
-# -----------------------------------------------------------------------------
 # The teacher's weights: the base model (LoRA off), the student's, or their EMA
 
 @contextmanager
 def lora_disabled(model):
-    """The base model without a copy: the fixed teacher of the released recipe."""
+    """The base model, without a copy: the released recipe's fixed teacher."""
     layers = lora_layers(model).values()
     for m in layers:
         m.enabled = False
@@ -380,7 +330,7 @@ def lora_disabled(model):
 @contextmanager
 @torch.no_grad()
 def lora_values(lora_params, values):
-    """Run with other LoRA values (the EMA teacher's), then put the student's back."""
+    """Run with other LoRA values (the EMA teacher's), then the student's again."""
     student = [p.detach().clone() for p in lora_params]
     for p, v in zip(lora_params, values):
         p.copy_(v)
@@ -392,8 +342,9 @@ def lora_values(lora_params, values):
 
 
 def teacher_weights(model, lora_params, teacher, ema):
-    """The context of the teacher's forward pass. The EMA teacher is the student
-    itself until the first step makes an EMA."""
+    """The context of the teacher's forward pass; the EMA teacher is the student
+    until the first step."""
+
     if teacher == "base":
         return lora_disabled(model)
     if teacher == "ema" and ema is not None:
@@ -403,8 +354,7 @@ def teacher_weights(model, lora_params, teacher, ema):
 
 @torch.no_grad()
 def ema_update(ema, lora_params, decay):
-    """The EMA teacher's LoRA after a step: first (ema None) a copy of the student's,
-    then ema = decay * ema + (1 - decay) * student."""
+    """ema = decay * ema + (1 - decay) * student; the first, a copy of the student."""
     if ema is None:
         return [p.detach().clone() for p in lora_params]
     for e, p in zip(ema, lora_params):
@@ -412,19 +362,16 @@ def ema_update(ema, lora_params, decay):
     return ema
 
 
-# -----------------------------------------------------------------------------
-# The loss, from the batch to one optimizer step's gradient. Read in this order:
-# the batch, the divergence at one position, the loss of a micro-batch (plain, then
-# chunked), one step over micro-batches and ranks, the logged KL.
+# The loss: the batch, the divergence at one position, a micro-batch's loss (plain,
+# then in chunks), one step over micro-batches and ranks, the logged KL
 
 def build_batch(prompts, completions, pad_id, device):
     """Model inputs of one micro-batch, and the mask of answer tokens (B, T).
 
-    Each row is [prompt | completion | pads], and positions come from the attention
-    mask, so every answer token sits at the position vLLM sampled it at. Pads go last:
-    a left pad is a query row whose keys are all masked, for which some CUDA attention
-    kernels return NaN, and the next layer spreads it to real tokens (0 x NaN). The
-    mask selects answer tokens row after row, so the student's and the teacher's
+    Each row is [prompt | completion | pads]; positions come from the attention mask,
+    so each answer token sits where vLLM sampled it. Pads go last: some CUDA attention
+    kernels give NaN for a left pad's all-masked query row, which spreads (0 x NaN).
+    The mask selects answer tokens row after row: the student's and the teacher's
     batches select the same tokens in the same order."""
     B = len(prompts)
     T = max(len(p) + len(c) for p, c in zip(prompts, completions))
@@ -442,9 +389,6 @@ def build_batch(prompts, completions, pad_id, device):
               "position_ids": position_ids}
     inputs = {name: x.to(device) for name, x in inputs.items()}
     return inputs, completion_mask.to(device)
-
-
-CLIP_MODES = ("entry", "token", "none")
 
 
 def log_probs(student_logits, teacher_logits, temperature):
@@ -468,8 +412,8 @@ def clipped_divergence(log_s, log_t, *, beta, clip, tau):
     else:
         log_m = torch.logaddexp(log_t + math.log(beta), log_s + math.log(1.0 - beta))
         d = beta * log_t.exp() * (log_t - log_m) + (1.0 - beta) * log_s.exp() * (log_s - log_m)
-    # entry clip (the released recipe): d_v <- min(d_v, tau), before the sum; a clamped
-    # entry gets no gradient
+    # entry clip (the recipe's): d_v <- min(d_v, tau) before the sum; a clamped entry
+    # gets no gradient
     if clip == "entry":
         d = d.clamp(max=tau)
     k = d.sum(dim=-1)  # (...) k_n = sum_v d_v
@@ -483,24 +427,22 @@ def clipped_divergence(log_s, log_t, *, beta, clip, tau):
 
 def plain_loss(student_logits, teacher_logits, num_tokens, *, beta=0.0, temperature=1.0,
                clip="entry", tau=0.05):
-    """The loss of one micro-batch in its plain form: the scored positions' logits
-    (N, V) each, the divergence at each, summed, divided by the step's token count;
-    autograd gives the gradient. opsd_loss computes the same value and gradient
-    without ever holding N x V logits."""
+    """A micro-batch's loss, plainly: the scored positions' logits (N, V) each, the
+    divergence at each, summed, / the step's token count; autograd gives the gradient.
+    opsd_loss computes the same without holding N x V logits."""
     log_s, log_t = log_probs(student_logits, teacher_logits, temperature)
     k = clipped_divergence(log_s, log_t, beta=beta, clip=clip, tau=tau)  # (N,)
     return k.sum() / num_tokens
 
 
 def final_hidden(model, inputs):
-    """(B, T, H) hidden states after the final norm, before the lm_head: the loss
-    makes the logits itself, in chunks."""
+    """(B, T, H) hidden states after the final norm: the loss makes the logits."""
     return model.base_model(**inputs, use_cache=False).last_hidden_state
 
 
 class PositionStats(NamedTuple):
-    """What is logged of each answer position, (N,) each, whatever the loss's beta
-    and clip. All but `logprob` are at the loss temperature."""
+    """What is logged of each answer position, (N,) each, whatever --beta and --clip;
+    all but `logprob` at the loss temperature."""
     # KL(p_T || p_S), unclipped: sum_v of the forward-KL terms d_v. The logged kl_mean is
     # its mean over every answer position of the newest steps that hold --kl-window
     # tokens, all ranks, the positions --skip-first-tokens leaves out of the loss included
@@ -516,9 +458,8 @@ class PositionStats(NamedTuple):
 
 @torch.no_grad()
 def divergence_stats(student_logits, log_s, log_t, targets, terms, *, tau):
-    """PositionStats of C positions from the student's raw logits (C, V), both sides'
-    log-probs at the loss temperature (C, V), the sampled tokens (C,) and the loss
-    terms (C,)."""
+    """PositionStats from the student's raw logits (C, V), both log-probs at the loss
+    temperature (C, V), the sampled tokens (C,) and the loss terms (C,)."""
     raw = student_logits.float()
     logprob = raw.gather(-1, targets[:, None])[:, 0] - raw.logsumexp(-1)
     p_t = log_t.exp()  # (C, V)
@@ -532,7 +473,6 @@ def divergence_stats(student_logits, log_s, log_t, targets, terms, *, tau):
 
 
 def join_stats(stats):
-    """One PositionStats of a non-empty list of them."""
     return PositionStats(*(torch.cat(parts) for parts in zip(*stats)))
 
 
@@ -575,9 +515,9 @@ def opsd_loss(student_hidden, student_mask, teacher_hidden, teacher_mask, lm_hea
                 grads.append(torch.autograd.grad(k.sum(), h)[0])  # (C, H)
         total = total + k.detach().sum()
         if targets is not None:
-            stats.append(divergence_stats(student_logits.detach(), log_s.detach(),
-                                          log_t.detach(), targets[i:i + chunk_size],
-                                          k.detach(), tau=tau))
+            stats.append(divergence_stats(
+                student_logits.detach(), log_s.detach(), log_t.detach(),
+                targets[i:i + chunk_size], k.detach(), tau=tau))
     loss = total / max(num_tokens, 1)
     # The surrogate carries the chunks' gradients into the model: sum(hs * grad) has
     # gradient `grad` with respect to hs, and subtracting its own value makes it add
@@ -609,16 +549,15 @@ def backward_step(model, lora_params, student_prompts, teacher_prompts, completi
     for first in range(0, len(completions), micro_batch_size):
         rows = slice(first, first + micro_batch_size)
         answers = completions[rows]
-        student_inputs, student_mask = build_batch(student_prompts[rows], answers, pad_id,
-                                                   device)
-        teacher_inputs, teacher_mask = build_batch(teacher_prompts[rows], answers, pad_id,
-                                                   device)
+        student_inputs, student_mask = build_batch(
+            student_prompts[rows], answers, pad_id, device)
+        teacher_inputs, teacher_mask = build_batch(
+            teacher_prompts[rows], answers, pad_id, device)
         with torch.no_grad(), teacher_weights(model, lora_params, teacher, ema):
             teacher_hidden = final_hidden(model, teacher_inputs)  # (B, T_teacher, H)
         student_hidden = final_hidden(model, student_inputs)  # (B, T_student, H)
-        # The shift by one, done here once: the hidden state at position t predicts
-        # token t + 1, so the positions scored are those before each answer token, from
-        # the prompt's last token to the answer's last but one.
+        # The shift by one, done here once: hidden state t predicts token t + 1, so the
+        # positions scored run from the prompt's last token to the answer's last but one.
         student_scored = student_mask[:, 1:]  # (B, T_student - 1)
         teacher_scored = teacher_mask[:, 1:]
         targets = student_inputs["input_ids"][:, 1:][student_scored]  # (N,) sampled tokens
@@ -630,8 +569,8 @@ def backward_step(model, lora_params, student_prompts, teacher_prompts, completi
         loss.backward()
         loss_sum += loss.item()
         stats.append(micro_stats)
-    # One collective for all LoRA gradients. A sum, not DDP's mean: each loss is already
-    # divided by the global token count.
+    # One collective for all LoRA gradients: a sum, not DDP's mean (each loss is already
+    # divided by the step's token count)
     flat = all_reduce(torch.cat([p.grad.flatten() for p in lora_params]))
     for p, g in zip(lora_params, flat.split([p.numel() for p in lora_params])):
         p.grad.copy_(g.view_as(p))
@@ -640,9 +579,8 @@ def backward_step(model, lora_params, student_prompts, teacher_prompts, completi
 
 
 def diagnostic_sums(stats, sampler_logprobs, tau):
-    """This step's sums over all ranks, from this rank's PositionStats of its answers'
-    positions, in order, and vLLM's log-probs of the same tokens (one list per
-    answer). gap = |vLLM's log-prob - the trainer's|."""
+    """This step's sums over all ranks, from this rank's PositionStats and vLLM's
+    log-probs of the same tokens (a list per answer)."""
     kl = stats.kl
     gap = (stats.logprob - torch.tensor(sum(sampler_logprobs, []), device=kl.device)).abs()
     lengths = [len(lp) for lp in sampler_logprobs]
@@ -654,24 +592,17 @@ def diagnostic_sums(stats, sampler_logprobs, tau):
              "teacher_entropy": stats.teacher_entropy.sum(), "negative": stats.negative.sum()}
     values = torch.tensor([float(v) for v in local.values()], device=kl.device)
     sums = dict(zip(local, all_reduce(values).tolist()))
-    gap_max = torch.zeros((), device=kl.device)
-    if len(gap):
-        gap_max = gap.max()
+    gap_max = torch.cat([gap, gap.new_zeros(1)]).max()  # 0 without positions
     sums["gap_max"] = float(all_reduce(gap_max, dist.ReduceOp.MAX))
     return sums
 
 
-WINDOW_KEYS = ("tokens", "kl", "above_tau", "clipped_mass", "first_kl", "first_tokens",
-               "student_entropy", "teacher_entropy", "negative")
-
-
 def kl_window_means(window, kl_window):
-    """The logged means (PositionStats says what each is) over the newest steps that
-    hold `kl_window` tokens. `window` holds per-step sums, newest last; whole steps
-    count, and the steps no longer needed leave it."""
+    """The logged means over the newest whole steps that hold `kl_window` tokens
+    (PositionStats defines each); older steps leave `window`."""
     while len(window) > 1 and sum(w["tokens"] for w in list(window)[1:]) >= kl_window:
         window.popleft()
-    w = {key: sum(step_sums[key] for step_sums in window) for key in WINDOW_KEYS}
+    w = {key: sum(step_sums[key] for step_sums in window) for key in window[-1]}
     tokens = max(w["tokens"], 1)
     return {"kl_mean": w["kl"] / tokens, "kl_frac_above_tau": w["above_tau"] / tokens,
             "kl_clipped_teacher_mass": w["clipped_mass"] / tokens,
@@ -682,11 +613,10 @@ def kl_window_means(window, kl_window):
             "kl_window_tokens": int(w["tokens"])}
 
 
-# -----------------------------------------------------------------------------
 # The learning-rate schedule
 
 def lr_at(step, *, lr, max_steps, warmup_steps=0, min_lr=0.0):
-    """Learning rate of optimizer step `step` (0-based, 0 .. max_steps - 1)."""
+    """Learning rate of step `step`, 0-based."""
     # 1) linear warmup: lr * (step + 1) / warmup_steps, so the first step moves the weights
     if step < warmup_steps:
         return lr * (step + 1) / warmup_steps
@@ -696,38 +626,32 @@ def lr_at(step, *, lr, max_steps, warmup_steps=0, min_lr=0.0):
     return min_lr + 0.5 * (lr - min_lr) * (1.0 + math.cos(math.pi * progress))
 
 
-# =============================================================================
-# PART 2: THE RUN
-# =============================================================================
+# PART 2: THE RUN =============================================================
 
-# -----------------------------------------------------------------------------
-# Config: every hyper-parameter; the defaults are the released recipe's
+# Config: the defaults are the released recipe's
 
 def check_flags(args):
-    """What would fail late or run wrongly, said before anything loads."""
-    for name in ("lora_r", "lora_alpha", "max_prompt_length", "max_new_tokens", "tau",
-                 "loss_temperature", "loss_chunk_size", "max_steps", "prompts_per_step",
-                 "micro_batch_size", "lr", "max_grad_norm", "collective_timeout"):
+    for name in (
+            "lora_r", "lora_alpha", "max_prompt_length", "max_new_tokens", "tau",
+            "loss_temperature", "loss_chunk_size", "max_steps", "prompts_per_step",
+            "micro_batch_size", "lr", "max_grad_norm", "collective_timeout"):
         if getattr(args, name) <= 0:
             fail(f"--{name.replace('_', '-')} must be positive.")
-    # vLLM's ranges, which it checks only at the first step
-    for name in ("top_p", "vllm_memory"):
-        if not 0 < getattr(args, name) <= 1:
-            fail(f"--{name.replace('_', '-')} must lie in (0, 1].")
-    if not 0 < args.temperature <= 2:
-        fail("--temperature must lie in (0, 2].")
+    # vLLM checks these only at the first step, minutes in
+    for flag, within, interval in [
+            ("--top-p", 0 < args.top_p <= 1, "(0, 1]"),
+            ("--vllm-memory", 0 < args.vllm_memory <= 1, "(0, 1]"),
+            ("--temperature", 0 < args.temperature <= 2, "(0, 2]"),
+            ("--beta", 0 <= args.beta <= 1, "[0, 1]"),
+            ("--ema-decay", 0 < args.ema_decay < 1, "(0, 1)"),
+            ("--skip-first-tokens", 0 <= args.skip_first_tokens < args.max_new_tokens,
+             "[0, --max-new-tokens)"),
+            ("--min-lr", 0 <= args.min_lr <= args.lr, "[0, --lr]"),
+            ("--warmup-steps", 0 <= args.warmup_steps < args.max_steps, "[0, --max-steps)")]:
+        if not within:
+            fail(f"{flag} must lie in {interval}.")
     if args.top_k == 0 or args.top_k < -1:
         fail("--top-k must be -1 (off) or at least 1.")
-    if not 0 <= args.beta <= 1:
-        fail("--beta must lie in [0, 1].")
-    if not 0 < args.ema_decay < 1:
-        fail("--ema-decay must lie in (0, 1).")
-    if not 0 <= args.skip_first_tokens < args.max_new_tokens:
-        fail("--skip-first-tokens must lie in [0, --max-new-tokens).")
-    if not 0 <= args.min_lr <= args.lr:
-        fail("--min-lr must lie in [0, --lr].")
-    if not 0 <= args.warmup_steps < args.max_steps:
-        fail("--warmup-steps must lie in [0, --max-steps).")
     if args.prompts_per_step % (WORLD_SIZE * args.micro_batch_size):
         fail(f"--prompts-per-step {args.prompts_per_step} must be divisible by ranks x "
              f"--micro-batch-size = {WORLD_SIZE} x {args.micro_batch_size}.")
@@ -738,88 +662,81 @@ def check_flags(args):
 def parse_args(argv=None):
     p = argparse.ArgumentParser(
         prog="opsd.py", formatter_class=argparse.ArgumentDefaultsHelpFormatter,
-        description="On-Policy Self-Distillation with LoRA and vLLM rollouts. Defaults: the "
-                    "released recipe for Qwen3-1.7B; recommended: --clip token "
-                    "--skip-first-tokens 1 (README.md).")
-    p.error = fail  # argparse's refusals in the one sentence of every other
-    on_off = argparse.BooleanOptionalAction
-    add = p.add_argument_group("model").add_argument
-    add("--model", default="Qwen/Qwen3-1.7B", help="hub id or local directory")
-    add("--dtype", default="bfloat16", choices=["bfloat16", "float32"],
-        help="of the weights; LoRA and the loss are float32")
-    add("--lora-r", type=int, default=64, help="LoRA's rank")
-    add("--lora-alpha", type=float, default=128, help="LoRA's scale is alpha / r")
-    add("--teacher", default="base", choices=["base", "current", "ema"],
-        help="base: LoRA off; current: the student; ema: its EMA")
-    add("--ema-decay", type=float, default=0.999, help="the EMA teacher's decay (--teacher ema)")
-    add("--gradient-checkpointing", action=on_off, default=True, help="less memory, more time")
-    add = p.add_argument_group("data and prompts").add_argument
-    add("--dataset", default="siyanzhao/Openthoughts_math_30k_opsd",
-        help="hub id, or a local .json, .jsonl or .parquet file")
-    add("--dataset-split", default="train", help="of a hub dataset")
-    add("--problem-column", default="problem", help="the problem, a string")
-    add("--context-column", default="solution",
-        help="the teacher's reference, a string; a,b joins two columns")
-    add("--data-select", default="all", choices=["all", "hard"],
-        help="hard: no source 'math', the longer half by generated_token_count")
-    add("--teacher-context", default="reference", choices=TEACHER_CONTEXTS,
-        help="what the teacher is shown: its row's context, none, another "
-             "row's, or its last \\boxed{}")
-    add("--student-prompt", default="recipe", choices=["recipe", "eval"],
-        help="recipe: 'Problem: ...'; eval: eval.py's prompt")
-    add("--student-thinking", action=on_off, default=False,
-        help="the chat template's enable_thinking")
-    add("--teacher-thinking", action=on_off, default=True,
-        help="the chat template's enable_thinking")
-    add("--max-prompt-length", type=int, default=2048, help="tokens; longer rows are dropped")
-    add = p.add_argument_group("sampling (vLLM)").add_argument
-    add("--max-new-tokens", type=int, default=1024, help="an answer's longest")
-    add("--temperature", type=float, default=1.1, help="vLLM's sampling temperature")
-    add("--top-p", type=float, default=0.95, help="vLLM's nucleus sampling")
-    add("--top-k", type=int, default=20, help="vLLM's top-k sampling; -1: off")
-    add("--vllm-memory", type=float, default=0.3, help="share of each GPU's")
-    add = p.add_argument_group("loss").add_argument
-    add("--clip", default="entry", choices=CLIP_MODES,
-        help="entry: the recipe's min(d_v, tau); token: min(k, tau), recommended")
-    add("--tau", type=float, default=0.05, help="the clip's threshold")
-    add("--beta", type=float, default=0.0, help="0: forward KL, 1: reverse, between: a JSD")
-    add("--loss-temperature", type=float, default=1.1, help="the loss divides logits by it")
-    add("--skip-first-tokens", type=int, default=0,
-        help="answer positions left out of the loss; recommended: 1")
-    add("--loss-chunk-size", type=int, default=256, help="positions whose logits exist at once")
-    add = p.add_argument_group("optimization").add_argument
-    add("--max-steps", type=int, default=100, help="optimizer steps")
-    add("--prompts-per-step", type=int, default=32, help="prompts per optimizer step, all ranks")
-    add("--micro-batch-size", type=int, default=4, help="prompts, per rank")
-    add("--lr", type=float, default=5e-6, help="AdamW's peak learning rate")
-    add("--min-lr", type=float, default=0.0, help="the cosine schedule's end")
-    add("--warmup-steps", type=int, default=0, help="linear warmup")
-    add("--max-grad-norm", type=float, default=0.1, help="gradient clipping")
-    add = p.add_argument_group("run").add_argument
-    add("--output-dir", default="runs/opsd", help="one run's directory")
-    add("--seed", type=int, default=42, help="data order, sampling, LoRA's A")
-    add("--save-every", type=int, default=25, help="steps; 0: never")
+        description="On-Policy Self-Distillation. Defaults: the released recipe for "
+                    "Qwen3-1.7B; recommended: --clip token --skip-first-tokens 1.")
+
+    p.error = fail  # argparse's refusals, as one sentence
+
+    def add(flag, default, help, **kwargs):
+        if isinstance(default, bool):
+            kwargs["action"] = argparse.BooleanOptionalAction
+        elif default is not None:
+            kwargs["type"] = type(default)
+        p.add_argument(flag, default=default, help=help, **kwargs)
+
+    add("--model", "Qwen/Qwen3-1.7B", "hub id or local directory")
+    add("--dtype", "bfloat16", "of the weights; LoRA and the loss are float32",
+        choices=["bfloat16", "float32"])
+    add("--lora-r", 64, "LoRA's rank")
+    add("--lora-alpha", 128.0, "LoRA's scale is alpha / r")
+    add("--teacher", "base", "base: LoRA off; current: the student; ema: its EMA",
+        choices=["base", "current", "ema"])
+    add("--ema-decay", 0.999, "the EMA teacher's decay (--teacher ema)")
+    add("--gradient-checkpointing", True, "less memory, more time")
+    add("--dataset", "siyanzhao/Openthoughts_math_30k_opsd",
+        "hub id, or a local .json, .jsonl or .parquet file")
+    add("--dataset-split", "train", "of a hub dataset")
+    add("--problem-column", "problem", "the problem, a string")
+    add("--context-column", "solution", "the teacher's reference, a string; a,b joins two")
+    add("--data-select", "all", "hard: no source 'math', the longer half by "
+        "generated_token_count", choices=["all", "hard"])
+    add("--teacher-context", "reference", "the teacher's context: its row's, none, another "
+        "row's, or its \\boxed{} answer", choices=TEACHER_CONTEXTS)
+    add("--student-prompt", "recipe", "recipe: 'Problem: ...'; eval: eval.py's prompt",
+        choices=["recipe", "eval"])
+    add("--student-thinking", False, "the chat template's enable_thinking")
+    add("--teacher-thinking", True, "the chat template's enable_thinking")
+    add("--max-prompt-length", 2048, "tokens; longer rows are dropped")
+    add("--max-new-tokens", 1024, "an answer's longest")
+    add("--temperature", 1.1, "vLLM's sampling temperature")
+    add("--top-p", 0.95, "vLLM's nucleus sampling")
+    add("--top-k", 20, "vLLM's top-k sampling; -1: off")
+    add("--vllm-memory", 0.3, "share of each GPU's")
+    add("--clip", "entry", "entry: the recipe's min(d_v, tau); token: min(k, tau), "
+        "recommended", choices=["entry", "token", "none"])
+    add("--tau", 0.05, "the clip's threshold")
+    add("--beta", 0.0, "0: forward KL, 1: reverse, between: a JSD")
+    add("--loss-temperature", 1.1, "the loss divides logits by it")
+    add("--skip-first-tokens", 0, "answer positions left out of the loss; recommended: 1")
+    add("--loss-chunk-size", 256, "positions whose logits exist at once")
+    add("--max-steps", 100, "optimizer steps")
+    add("--prompts-per-step", 32, "prompts a step, all ranks")
+    add("--micro-batch-size", 4, "prompts, per rank")
+    add("--lr", 5e-6, "AdamW's peak learning rate")
+    add("--min-lr", 0.0, "the cosine schedule's end")
+    add("--warmup-steps", 0, "linear warmup")
+    add("--max-grad-norm", 0.1, "gradient clipping")
+    add("--output-dir", "runs/opsd", "one run's directory")
+    add("--seed", 42, "data order, sampling, LoRA's A")
+    add("--save-every", 25, "steps; 0: never")
     once = p.add_mutually_exclusive_group()
     once.add_argument("--resume", action="store_true", help="continue --output-dir's run")
     once.add_argument("--overwrite", action="store_true", help="replace --output-dir's run")
-    add("--device", default="auto", choices=["auto", "cpu", "cuda"],
-        help="auto: CUDA when torch sees it")
-    add("--collective-timeout", type=float, default=30, help="minutes a rank waits for the others")
-    add("--kl-window", type=int, default=20_000,
-        help="answer tokens the logged figures average over")
-    add("--log-rollouts-every", type=int, default=10,
-        help="steps; rank 0's answers to rollouts.jsonl; 0: never")
-    add("--wandb-project", help="also log to Weights & Biases (pip install wandb)")
+    add("--device", "auto", "auto: CUDA when torch sees it", choices=["auto", "cpu", "cuda"])
+    add("--collective-timeout", 30.0, "minutes a rank waits for the others")
+    add("--kl-window", 20_000, "answer tokens the logged means span")
+    add("--log-rollouts-every", 10, "steps; rank 0's answers to rollouts.jsonl; 0: never")
+    add("--wandb-project", None, "also log to wandb (pip install wandb)")
+
     args = p.parse_args(argv)
     check_flags(args)
     return args
 
 
-# -----------------------------------------------------------------------------
-# The run: main(), then how it starts
+# The run
 
 def main(argv=None):
-    run = {"argv": argv, "args": None, "step": None}  # what stop_cleanly reports
+    run = {"argv": argv, "args": None, "step": None}  # for stop_cleanly
     with stop_cleanly(run):
         args = parse_args(argv)
         run["args"] = args
@@ -828,7 +745,7 @@ def main(argv=None):
         device = init_distributed(args)
         out_dir = Path(args.output_dir)
 
-        # ---- what a user can get wrong, checked before a model or vLLM loads
+        # ---- what a user can get wrong, before a model or vLLM loads
         with ranks_agree(device):
             resume_from = check_output_dir(args)
             check_model(args)
@@ -836,26 +753,23 @@ def main(argv=None):
             args_record = run_record(args, prompts, device)
             if resume_from:
                 check_resume(args_record, out_dir)
-            try:  # the first thing written: every check has passed
+            try:  # the first thing written
                 out_dir.mkdir(parents=True, exist_ok=True)
             except OSError as e:
                 fail(f"--output-dir {out_dir}: {e.strerror}: choose another.")
 
-        # ---- the model with LoRA; A is drawn from --seed, alike on every rank
+        # ---- the model with LoRA, and this rank's vLLM engine
         model, lora_params = load_model(args, device)
-        optimizer = torch.optim.AdamW(lora_params, lr=args.lr, betas=(0.9, 0.999),
-                                      weight_decay=0.0)
-
-        # ---- the vLLM engine: every rank builds its own, all at the same time
+        optimizer = torch.optim.AdamW(lora_params, lr=args.lr, weight_decay=0.0)
         llm = start_engine(args, device)
         start_step = 0
         ema = None
-        window = deque()  # the KL diagnostic's per-step sums, newest last
+        window = deque()  # per-step sums, newest last
         if resume_from:
             start_step, ema, window = restore(resume_from, model, lora_params, optimizer)
-            push_weights(llm, model)  # the new engine holds the base weights
+            push_weights(llm, model)
             with ranks_agree(device):
-                check_push(llm, model, out_dir)
+                check_push(llm, model)
             print0(f"resumed from {resume_from} at step {start_step}")
         tracker = None
         if RANK == 0:
@@ -866,27 +780,27 @@ def main(argv=None):
         if pad_id is None:
             pad_id = tokenizer.eos_token_id
         per_rank = args.prompts_per_step // WORLD_SIZE
-        mine = range(RANK * per_rank, (RANK + 1) * per_rank)  # this rank's share of a step
+        mine = range(RANK * per_rank, (RANK + 1) * per_rank)  # this rank's requests
 
         for step in range(start_step, args.max_steps):
             run["step"] = step
-            # ---- generate: one seed per request, a function of (seed, step, request)
+            # ---- generate; a request's seed is a function of (seed, step, request)
             t0 = time.perf_counter()
             indices = step_indices(step, args.prompts_per_step, len(prompts), args.seed)
-            student_prompts = [prompts[indices[j]][0] for j in mine]
-            teacher_prompts = [prompts[indices[j]][1] for j in mine]
+            student_prompts, teacher_prompts = zip(*[prompts[indices[j]] for j in mine])
+
             first_seed = args.seed * 1_000_003 + step * args.prompts_per_step
             seeds = [(first_seed + j) % 2**31 for j in mine]
             completions, sampler_logprobs = sample(llm, student_prompts, seeds, args)
             t1 = time.perf_counter()
 
-            # ---- train: the loss over every answer token of the step, on all ranks
+            # ---- train
             loss, stats = backward_step(
                 model, lora_params, student_prompts, teacher_prompts, completions,
                 pad_id=pad_id, micro_batch_size=args.micro_batch_size, teacher=args.teacher,
                 ema=ema, skip_first_tokens=args.skip_first_tokens, **loss_kw)
             grad_norm = torch.nn.utils.clip_grad_norm_(lora_params, args.max_grad_norm).item()
-            check_finite(step, loss, grad_norm, out_dir)
+            check_finite(step, loss, grad_norm)
             lr = lr_at(step, lr=args.lr, max_steps=args.max_steps,
                        warmup_steps=args.warmup_steps, min_lr=args.min_lr)
             for group in optimizer.param_groups:
@@ -900,12 +814,12 @@ def main(argv=None):
             # ---- update the inference engine's weights, and read them back
             push_weights(llm, model)
             with ranks_agree(device):
-                check_push(llm, model, out_dir)
+                check_push(llm, model)
             t3 = time.perf_counter()
 
-            # ---- log: the KL diagnostic over its window; the gap over this step
+            # ---- log
             sums = diagnostic_sums(stats, sampler_logprobs, args.tau)
-            window.append({key: sums[key] for key in WINDOW_KEYS})
+            window.append(sums)
             record = {"step": step + 1, "loss": loss, "lr": lr, "grad_norm": grad_norm,
                       **kl_window_means(window, args.kl_window),
                       "logprob_gap_mean": sums["gap"] / max(sums["tokens"], 1),
@@ -914,11 +828,11 @@ def main(argv=None):
                       "time_sample": t1 - t0, "time_train": t2 - t1, "time_push": t3 - t2,
                       "tokens_per_second": sums["tokens"] / (t3 - t0)}
             if RANK == 0:
-                rollouts = rollout_records(args, step, indices, mine, completions, stats.kl,
-                                           tokenizer)
+                rollouts = rollout_records(
+                    args, step, indices, mine, completions, stats.kl, tokenizer)
                 log_step(args, record, rollouts, tracker)
 
-            # ---- checkpoint, by rank 0 (the last step writes final/ instead)
+            # ---- checkpoint (the last step writes final/ instead)
             due = args.save_every and (step + 1) % args.save_every == 0
             if RANK == 0 and due and step + 1 < args.max_steps:
                 state = {"step": step + 1, "optimizer": optimizer.state_dict(),
@@ -927,8 +841,7 @@ def main(argv=None):
                 print(f"checkpoint-{step + 1}; to resume: {resume_command(run['argv'])}",
                       flush=True)
 
-        # ---- the end: the adapter (and the EMA teacher's) in PEFT's layout. No rank
-        # waits for it in a collective, which a slow disk or wandb could time out.
+        # ---- the end; no rank waits for it, which a slow disk or wandb could time out
         if RANK == 0:
             save_run_state(out_dir, model, lora_params, ema, args)
             print(f"final adapter -> {out_dir / 'final'}", flush=True)
@@ -938,54 +851,51 @@ def main(argv=None):
 
 
 def choose_attention_kernels():
-    """Not cuDNN's attention: it returns NaN for a row whose keys are all masked."""
+    """Not cuDNN's attention: NaN for a row whose keys are all masked."""
     torch.backends.cuda.enable_flash_sdp(True)
     torch.backends.cuda.enable_mem_efficient_sdp(True)
     torch.backends.cuda.enable_math_sdp(True)
     torch.backends.cuda.enable_cudnn_sdp(False)
 
 
-# What the push needs: the engine in this process (no other can take the weights'
-# generator); float32 matmuls without TF32 (for the read-back)
+# The engine in this process, to take the weights' generator; no TF32 (the read-back)
 PUSH_ENVIRONMENT = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0",
                     "VLLM_FLOAT32_MATMUL_PRECISION": "highest"}
 
 
 def init_distributed(args):
-    """The device, the process group under torchrun, the environment vLLM needs."""
-    use_cuda = args.device != "cpu" and torch.cuda.is_available()
     device = torch.device("cpu")
-    if use_cuda:
+    if args.device != "cpu" and torch.cuda.is_available():
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
         torch.cuda.set_device(device)  # vLLM builds its engine on it
     choose_attention_kernels()
     if WORLD_SIZE > 1:
         timeout = timedelta(minutes=args.collective_timeout)
-        if use_cuda:
-            # device_id makes NCCL's communicator now, while every rank is here: made at
-            # the first collective, it would wait without bound for a rank that died.
+        if device.type == "cuda":
+            # device_id: NCCL's communicator now; at the first collective it could wait
+            # forever for a rank that died
             dist.init_process_group("nccl", timeout=timeout, device_id=device)
         else:
             dist.init_process_group("gloo", timeout=timeout)
     os.environ.update(PUSH_ENVIRONMENT)
     torch.set_float32_matmul_precision("highest")
-    engine_environment(cpu=not use_cuda)
+    engine_environment(cpu=device.type == "cpu")
     return device
 
 
-# -----------------------------------------------------------------------------
-# Data: a local JSON, JSONL or Parquet file, or a hub dataset
+# Data
 
 def load_prompts(args):
     from transformers import AutoTokenizer
     tokenizer = AutoTokenizer.from_pretrained(args.model)
-    rows = load_rows(args.dataset, args.dataset_split, args.problem_column,
-                     args.context_column, args.data_select)
+    rows = load_rows(
+        args.dataset, args.dataset_split, args.problem_column, args.context_column,
+        args.data_select)
     rows = shown_contexts(rows, args.teacher_context, args.seed)
-    prompts = build_prompts(tokenizer, rows, student_thinking=args.student_thinking,
-                            teacher_thinking=args.teacher_thinking,
-                            max_prompt_length=args.max_prompt_length,
-                            student_prompt=args.student_prompt)
+    prompts = build_prompts(
+        tokenizer, rows, student_thinking=args.student_thinking,
+        teacher_thinking=args.teacher_thinking, max_prompt_length=args.max_prompt_length,
+        student_prompt=args.student_prompt)
     return tokenizer, prompts
 
 
@@ -993,44 +903,43 @@ LOCAL_FORMATS = {".json": "json", ".jsonl": "json", ".parquet": "parquet"}
 
 
 def load_rows(dataset, split, problem_column, context_column, data_select="all"):
-    """[(problem, privileged context)] after the --data-select rule. `context_column`
-    may name columns as a,b: their texts are joined by a blank line, in that order."""
+    """[(problem, context)]; `context_column` a,b joins two columns' texts."""
     import datasets
     datasets.disable_progress_bars()
     datasets.logging.set_verbosity(datasets.logging.CRITICAL)  # its errors come here
-    path = Path(dataset).expanduser()
-    if path.is_file() and path.suffix.lower() not in LOCAL_FORMATS:
-        fail(f"--dataset {dataset}: a local file must be .json, .jsonl or .parquet: "
-             "convert it.")
+    suffix = Path(dataset).suffix.lower()
     try:
-        if path.suffix.lower() in LOCAL_FORMATS:
-            table = datasets.load_dataset(LOCAL_FORMATS[path.suffix.lower()],
-                                          data_files=str(path), split="train")
+        if suffix in LOCAL_FORMATS:
+            table = datasets.load_dataset(
+                LOCAL_FORMATS[suffix], data_files=dataset, split="train")
         else:
             table = datasets.load_dataset(dataset, split=split)
-    except Exception as e:  # datasets' own words (a parser's, for a file), or none
+    except Exception as e:  # datasets' words, or none
         words = str(e.__cause__ or e).strip() or "no rows"
         fail(f"--dataset {dataset}: {words} (a hub id needs network; else give a local "
              ".json, .jsonl or .parquet file)")
     contexts = [c.strip() for c in context_column.split(",")]
-    # column -> (the flag that names it, the type of its values)
-    needed = {column: ("--context-column", str) for column in contexts}
-    needed[problem_column] = ("--problem-column", str)
+    needed = {column: "--context-column" for column in contexts}  # column: its flag
+    needed[problem_column] = "--problem-column"
     if data_select == "hard":
-        needed["source"] = ("--data-select hard", str)
-        needed["generated_token_count"] = ("--data-select hard", (int, float))
-    for column, (flag, kind) in needed.items():
+        needed["source"] = "--data-select hard"
+        needed["generated_token_count"] = "--data-select hard"
+    for column, flag in needed.items():
         if column not in table.column_names:
             fail(f"--dataset {dataset} has no column {column!r} ({flag}); its columns are "
                  f"{table.column_names}.")
     rows = table.to_list()
     if not rows:
-        fail(f"--dataset {dataset} holds no rows: give one that has some.")
+        fail(f"--dataset {dataset} holds no rows.")
     for number, row in enumerate(rows, 1):
-        for column, (flag, kind) in needed.items():
+        for column in needed:
             value = row[column]
-            if not isinstance(value, kind) or isinstance(value, bool):
-                noun = "a string" if kind is str else "a number"
+            noun = "a string"
+            ok = isinstance(value, str)
+            if column == "generated_token_count":
+                noun = "a number"
+                ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+            if not ok:
                 fail(f"--dataset {dataset}, row {number}: {column!r} is {value!r}, not {noun}: "
                      "fix or drop the row.")
     if data_select == "hard":
@@ -1039,8 +948,8 @@ def load_rows(dataset, split, problem_column, context_column, data_select="all")
 
 
 def select_hard(rows):
-    """Where teacher and student disagree: 1) drop source 'math' (KL near zero); 2)
-    keep generated_token_count >= the element at len // 2 of the sorted counts."""
+    """Drop source 'math' (KL near zero); keep generated_token_count at or above the
+    median (the element at len // 2)."""
     kept = [r for r in rows if r["source"] != "math"]
     if not kept:
         fail("--data-select hard: every row has source 'math': use --data-select all.")
@@ -1051,12 +960,9 @@ def select_hard(rows):
     return kept
 
 
-# -----------------------------------------------------------------------------
-# Model, adapters and checkpoints: adapters in PEFT's layout; checkpoints written
-# aside, then renamed, never half-written
+# Model, adapters and checkpoints
 
 def load_model(args, device):
-    """The model with LoRA on all seven projections, once its logits check out."""
     from transformers import AutoModelForCausalLM
     model = AutoModelForCausalLM.from_pretrained(args.model, dtype=getattr(torch, args.dtype))
     model = model.to(device)
@@ -1069,12 +975,11 @@ def load_model(args, device):
     if args.gradient_checkpointing:
         model.gradient_checkpointing_enable(
             gradient_checkpointing_kwargs={"use_reentrant": False})
-    model.train()  # for gradient checkpointing; dropout is off
+    model.train()  # for gradient checkpointing
     return model, lora_params
 
 
 def disable_dropout(model):
-    """No dropout, as in the recipe."""
     for m in model.modules():
         if isinstance(m, nn.Dropout):
             m.p = 0.0
@@ -1083,11 +988,9 @@ def disable_dropout(model):
 
 
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
-ADAPTER_CONFIG = "adapter_config.json"
 
 
 def adapter_parameters(model):
-    """{name in PEFT's adapter_model.safetensors: LoRA parameter}."""
     names = {}
     for name, m in lora_layers(model).items():
         names[f"base_model.model.{name}.lora_A.weight"] = m.lora_A
@@ -1096,20 +999,17 @@ def adapter_parameters(model):
 
 
 def save_adapter(model, out_dir, base_model_name_or_path):
-    """The adapter in PEFT's layout, which PEFT, vLLM and eval.py read."""
     layers = lora_layers(model)
     tensors = {name: p.detach().cpu().contiguous()
                for name, p in adapter_parameters(model).items()}
     first = next(iter(layers.values()))
-    config = {"peft_type": "LORA", "task_type": "CAUSAL_LM",
-              "base_model_name_or_path": str(base_model_name_or_path), "r": first.r,
-              "lora_alpha": first.alpha, "lora_dropout": 0.0, "bias": "none",
-              "fan_in_fan_out": False, "inference_mode": True,
+    config = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": first.r,
+              "lora_alpha": first.alpha, "base_model_name_or_path": str(base_model_name_or_path),
               "target_modules": sorted({name.rsplit(".", 1)[-1] for name in layers})}
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     save_file(tensors, str(out_dir / ADAPTER_WEIGHTS))
-    (out_dir / ADAPTER_CONFIG).write_text(json.dumps(config, indent=2) + "\n")
+    (out_dir / "adapter_config.json").write_text(json.dumps(config, indent=2) + "\n")
 
 
 @torch.no_grad()
@@ -1120,7 +1020,6 @@ def load_adapter(model, adapter_dir):
 
 
 def restore(checkpoint, model, lora_params, optimizer):
-    """(step, the EMA teacher's LoRA or None, the KL window), loaded."""
     state = torch.load(checkpoint / "trainer_state.pt", map_location="cpu", weights_only=True)
     optimizer.load_state_dict(state["optimizer"])  # moved to the parameters' device
     ema = None
@@ -1132,8 +1031,7 @@ def restore(checkpoint, model, lora_params, optimizer):
 
 
 def save_run_state(out_dir, model, lora_params, ema, args, state=None):
-    """checkpoint-<step>/ (given `state`) or final/. No RNG state: the data order and
-    the sampling seeds are functions of (seed, step)."""
+    """checkpoint-<step>/ (with `state`) or final/, written aside, then renamed."""
     name = "final"
     if state:
         name = f"checkpoint-{state['step']}"
@@ -1146,7 +1044,7 @@ def save_run_state(out_dir, model, lora_params, ema, args, state=None):
             save_adapter(model, tmp / "ema", args.model)
     if state is not None:
         torch.save(state, tmp / "trainer_state.pt")
-    # on disk before the rename, the rename on disk after it: a crash leaves one whole
+    # flushed before the rename, and the rename after it
     for path in [*tmp.rglob("*"), tmp]:
         flush(path)
     shutil.rmtree(final_dir, ignore_errors=True)
@@ -1155,18 +1053,14 @@ def save_run_state(out_dir, model, lora_params, ema, args, state=None):
 
 
 def flush(path):
-    """fsync a file, or a directory (its entries: a rename in it)."""
     fd = os.open(path, os.O_RDONLY)
     os.fsync(fd)
     os.close(fd)
 
 
-# -----------------------------------------------------------------------------
-# Logs: args.json, the step line, metrics.jsonl, rollouts.jsonl; wandb when asked
+# Logs
 
 def open_run(args, start_step, args_record):
-    """Rank 0: the old run deleted (--overwrite), args.json, the logs cut back to the
-    resumed step, Weights & Biases."""
     out_dir = Path(args.output_dir)
     if args.overwrite:
         for path in run_files(out_dir):
@@ -1183,8 +1077,8 @@ def open_run(args, start_step, args_record):
     if not args.wandb_project:
         return None
     import wandb
-    return wandb.init(project=args.wandb_project, name=out_dir.name, config=vars(args),
-                      dir=str(out_dir))
+    return wandb.init(
+        project=args.wandb_project, name=out_dir.name, config=vars(args), dir=str(out_dir))
 
 
 def record_step(line):
@@ -1202,7 +1096,6 @@ def write_atomically(path, text):
 
 
 def rollout_records(args, step, indices, mine, completions, kl, tokenizer):
-    """Rank 0's answers when rollouts.jsonl is due, with each token's KL."""
     every = args.log_rollouts_every
     last = step + 1 == args.max_steps
     if not every or not (step == 0 or (step + 1) % every == 0 or last):
@@ -1223,7 +1116,6 @@ STEP_LINE = ("step {step:4d}/{max_steps} | loss {loss:.4f} | lr {lr:.2e} | grad 
 
 
 def log_step(args, record, rollouts, tracker):
-    """Rank 0: the step line, metrics.jsonl, rollouts.jsonl, Weights & Biases."""
     out_dir = Path(args.output_dir)
     line = STEP_LINE.format(**record, max_steps=args.max_steps)
     if record["logprob_gap_mean"] > GAP_ALARM[args.dtype]:
@@ -1244,19 +1136,15 @@ def log_step(args, record, rollouts, tracker):
         tracker.log(logged, step=record["step"])
 
 
-# =============================================================================
-# PART 3: THE GUARDS
-# =============================================================================
+# PART 3: THE GUARDS ==========================================================
 
-# -----------------------------------------------------------------------------
-# Output directory and resume: no run is overwritten unless asked; a resume must be
-# the same run
+# No run overwritten unless asked; a resume must be the same run
 
-# the flags a resume may change: how it runs or logs, not what it computes
-RESUMABLE_CHANGES = ("output_dir", "resume", "overwrite", "micro_batch_size",
-                     "gradient_checkpointing", "loss_chunk_size", "vllm_memory", "device",
-                     "collective_timeout", "save_every", "kl_window", "log_rollouts_every",
-                     "wandb_project")
+# flags a resume may change: how it runs or logs, not what it computes
+RESUMABLE_CHANGES = (
+    "output_dir", "resume", "overwrite", "micro_batch_size", "gradient_checkpointing",
+    "loss_chunk_size", "vllm_memory", "device", "collective_timeout", "save_every",
+    "kl_window", "log_rollouts_every", "wandb_project")
 
 
 def run_files(out_dir):
@@ -1274,18 +1162,18 @@ def latest_checkpoint(out_dir):
 
 
 def check_output_dir(args):
-    """The checkpoint to resume, or None for a new run."""
+    """The checkpoint to resume, or None."""
     out_dir = Path(args.output_dir)
     existing = run_files(out_dir)
     if not args.resume:
         if existing and not args.overwrite:
             names = ", ".join(p.name for p in existing[:3])
             fail(f"--output-dir {out_dir} already holds a run ({names}): pass --resume to "
-                 "continue it, --overwrite to replace it, or choose another --output-dir.")
+                 "continue it, or --overwrite to replace it.")
         return None
     if not (out_dir / "args.json").is_file():
-        fail(f"--resume: {out_dir} holds no run to resume (no args.json): drop --resume to "
-             "start one; across nodes --output-dir must be one directory every rank sees.")
+        fail(f"--resume: {out_dir} holds no run (no args.json); across nodes every rank "
+             "must see one --output-dir.")
     if (out_dir / "final").exists():
         fail(f"--resume: the run in {out_dir} has finished: choose a new --output-dir.")
     checkpoint = latest_checkpoint(out_dir)
@@ -1295,8 +1183,7 @@ def check_output_dir(args):
 
 
 def run_record(args, prompts, device):
-    """args.json: the flags, and what else fixes the results: the prompts' ids, the
-    model's files, the device type (CPU and CUDA sample apart)."""
+    """args.json: the flags, the prompts' ids, the model's files, the device type."""
     ids = hashlib.sha256()
     for student, teacher in prompts:
         ids.update(array("q", [len(student), len(teacher), *student, *teacher]).tobytes())
@@ -1319,7 +1206,7 @@ def check_resume(args_record, out_dir):
 
 
 def model_fingerprint(model):
-    """sha256 of config.json and of each weight file's name, size and 16 spread 64 KiB
+    """sha256 of config.json and each weight file's name, size and 16 spread 64 KiB
     samples (a file under 1 MiB whole); None without local weights."""
     folder = model_dir(model)
     if folder is None or not (folder / "config.json").is_file():
@@ -1343,9 +1230,9 @@ def model_fingerprint(model):
 
 
 def model_dir(model):
-    """A local model's directory, or a hub model's cached snapshot; else None."""
-    if Path(model).expanduser().is_dir():
-        return Path(model).expanduser().resolve()
+    path = Path(model).expanduser()
+    if path.is_dir():
+        return path.resolve()
     from huggingface_hub import try_to_load_from_cache
     try:
         config = try_to_load_from_cache(model, "config.json")
@@ -1356,21 +1243,15 @@ def model_dir(model):
     return Path(config).parent.resolve()
 
 
-# -----------------------------------------------------------------------------
-# Model guards: logits = final hidden state @ lm_head.weight^T; LoRA on all seven
-# projections of every decoder layer; a GPU-sized model on a GPU
+# The model: logits = final hidden @ lm_head.weight^T, LoRA's targets, the device
 
 def check_model(args):
-    """The model's config, before its weights load."""
     from transformers import AutoConfig, AutoModelForCausalLM
-    path = Path(args.model).expanduser()
-    if (path.is_absolute() or args.model.startswith(".")) and not path.is_dir():
-        fail(f"--model {args.model}: no such directory: give a model directory or a hub id.")
     try:
         config = AutoConfig.from_pretrained(args.model)
     except (OSError, ValueError) as e:  # transformers' first sentence
-        fail(f"--model {args.model}: cannot load its config ({str(e).splitlines()[0]}); "
-             "a hub id needs network, else give a local directory.")
+        fail(f"--model {args.model}: cannot load its config ({str(e).splitlines()[0]}): "
+             "give a model directory that exists, or a hub id (with network).")
     for field in ("final_logit_softcapping", "logit_scale", "logits_scaling"):
         if getattr(config, field, None) not in (None, 1):
             fail(f"--model {args.model}: its config sets {field} = {getattr(config, field)}; "
@@ -1382,7 +1263,11 @@ def check_model(args):
         fail(f"--model {args.model} ({config.model_type}): LoRA needs "
              f"{', '.join(LORA_TARGETS)} in every decoder layer, but {missing}: choose "
              "another --model.")
-    check_device(args, skeleton.num_parameters())
+    parameters = skeleton.num_parameters()
+    if args.device == "auto" and parameters > 1e8 and not torch.cuda.is_available():
+        fail(f"--device auto: torch {torch.__version__} sees no CUDA device, and --model "
+             f"{args.model} has {parameters / 1e9:.2f}B parameters, too many for a CPU: make "
+             "a GPU visible, or pass --device cpu.")
     context = getattr(config.get_text_config(), "max_position_embeddings", None)
     if context and args.max_prompt_length + args.max_new_tokens > context:
         fail(f"--max-prompt-length {args.max_prompt_length} + --max-new-tokens "
@@ -1391,8 +1276,8 @@ def check_model(args):
 
 
 def missing_lora_targets(model):
-    """None when every decoder layer (a module numbered in its name) holds each LoRA
-    target as an nn.Linear, else which layers lack which targets."""
+    """None, or which decoder layers (modules numbered in their names) lack which
+    LoRA targets as nn.Linear."""
     by_layer = {}  # layer number -> the names of its linear layers
     for name, m in model.named_modules():
         number = re.search(r"\.(\d+)\.", name)
@@ -1402,31 +1287,18 @@ def missing_lora_targets(model):
         return "its decoder layers hold no nn.Linear"
     lacking = {}  # the targets a layer lacks -> the layers that lack them
     for number, names in sorted(by_layer.items()):
-        missing = tuple(t for t in LORA_TARGETS if t not in names)
+        missing = ", ".join(t for t in LORA_TARGETS if t not in names)
         if missing:
             lacking.setdefault(missing, []).append(str(number))
-    if not lacking:
-        return None
-    return "; ".join(f"layers {', '.join(layers)} lack {', '.join(targets)}"
-                     for targets, layers in lacking.items())
-
-
-def check_device(args, parameters):
-    """--device auto trains no model above 0.1B parameters on a CPU."""
-    if torch.cuda.is_available():
-        return
-    if parameters > 1e8 and args.device == "auto":
-        fail(f"--device auto: torch {torch.__version__} sees no CUDA device, and --model "
-             f"{args.model} has {parameters / 1e9:.2f}B parameters, too many for a CPU: "
-             "make a GPU visible, or pass --device cpu.")
+    parts = [f"layers {', '.join(layers)} lack {targets}" for targets, layers in lacking.items()]
+    return "; ".join(parts) or None
 
 
 def check_cuda_build():
-    """A CPU build of torch on a machine with an NVIDIA GPU would run on the CPU."""
     if torch.version.cuda or not shutil.which("nvidia-smi"):
         return
-    listed = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True).stdout
-    if "GPU" in listed:
+    listed = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, timeout=60)
+    if "GPU" in listed.stdout:
         fail(f"torch {torch.__version__} is a CPU build, but nvidia-smi lists a GPU: "
              "install the GPU build in a fresh environment (python -m venv, then "
              "pip install -r requirements.txt).")
@@ -1434,35 +1306,27 @@ def check_cuda_build():
 
 @torch.no_grad()
 def check_logits_path(model):
-    """None when final_hidden @ lm_head.weight^T gives the model's logits on a 16-token
-    probe, else why not (soft-capping, scaling, a bias: a silently wrong loss)."""
+    """None when final_hidden @ lm_head.weight^T are the model's logits on a probe,
+    else why not."""
+    W = model.get_output_embeddings().weight
     if getattr(model.get_output_embeddings(), "bias", None) is not None:
         return "its lm_head has a bias"
     positions = torch.arange(16, device=model.device)[None]  # (1, 16)
     ids = (positions + 3) % model.config.vocab_size
     inputs = {"input_ids": ids, "attention_mask": torch.ones_like(ids),
               "position_ids": positions}
-    W = model.get_output_embeddings().weight
-    training = model.training
-    try:
-        model.eval()  # no dropout in either forward
-        want = model(**inputs, use_cache=False).logits.float()  # (1, 16, V)
-        got = (final_hidden(model, inputs) @ W.T).float()
-    except (AttributeError, TypeError) as e:
-        return f"its hidden states cannot be taken apart from its logits ({e})"
-    finally:
-        model.train(training)
+    model.eval()  # no dropout; the caller sets the mode it trains in
+    want = model(**inputs, use_cache=False).logits.float()  # (1, 16, V)
+    got = (final_hidden(model, inputs) @ W.T).float()
     if not torch.allclose(got, want, rtol=1e-2, atol=1e-3 * float(want.abs().max())):
         return "its logits are not final_hidden @ lm_head.weight^T (soft-capping, scaling?)"
     return None
 
 
-# -----------------------------------------------------------------------------
-# While it runs: every push read back from the engine; no update from a non-finite loss
+# While it runs: the push read back; no update from a non-finite loss
 
 def fingerprint(weight):
-    """An exact fingerprint of a weight's bits (-0.0 as 0.0): their plain, squared and
-    position-weighted sums in wrapping int64, which no summation order changes."""
+    """Exact: a weight's bits' plain, squared and position-weighted int64 sums."""
     bits = (weight.detach() + 0.0).contiguous()
     bits = bits.view(getattr(torch, f"int{8 * weight.element_size()}")).flatten().long()
     position = torch.arange(1, bits.numel() + 1, device=bits.device)
@@ -1472,17 +1336,15 @@ def fingerprint(weight):
 
 @torch.no_grad()
 def engine_fingerprints(model):
-    """In vLLM's worker: {checkpoint weight name: fingerprint}. Each linear layer is
-    read back through the GEMM sampling uses (on a CPU the weight lives only in a
-    repacked kernel handle), applied to the identity: I W^T = W^T exactly. Stacked
-    layers (qkv_proj, gate_up_proj) are split back into the checkpoint's projections."""
+    """In vLLM's worker: each linear layer's fingerprint, read through the GEMM
+    sampling uses applied to the identity (I W^T = W^T), stacked layers split."""
     from vllm.model_executor.layers.linear import LinearBase
     stacked = getattr(model, "packed_modules_mapping", {})
     prints = {}
     for name, m in model.named_modules():
         if isinstance(m, LinearBase):
-            eye = torch.eye(m.input_size_per_partition, dtype=m.weight.dtype,
-                            device=m.weight.device)
+            eye = torch.eye(m.input_size_per_partition).to(m.weight)
+
             parts = m.quant_method.apply(m, eye).t().split(m.output_partition_sizes)
             parent, _, short = name.rpartition(".")
             for part_name, part in zip(stacked.get(short, [short]), parts):
@@ -1490,43 +1352,35 @@ def engine_fingerprints(model):
     return prints
 
 
-def check_push(llm, model, out_dir):
-    """Each LoRA layer merged again, compared bit for bit with the engine's weights."""
+def check_push(llm, model):
     engine = llm.apply_model(engine_fingerprints)[0]
     for name, m in lora_layers(model).items():
         if engine.get(f"{name}.weight") != fingerprint(m.merged_weight()):
             fail(f"the weight push failed: vLLM's {name} does not hold the merged weights "
-                 "sent to it (is vllm the version requirements.txt pins?). Stopped; the last "
-                 f"checkpoint is {latest_checkpoint(out_dir) or 'none'}.")
+                 "sent to it (is vllm the version requirements.txt pins?).")
 
 
-def check_finite(step, loss, grad_norm, out_dir):
-    """Stop before an update that would write NaN or inf into the adapter."""
+def check_finite(step, loss, grad_norm):
     if not (math.isfinite(loss) and math.isfinite(grad_norm)):
-        fail(f"step {step + 1}: non-finite loss ({loss}) or gradient norm ({grad_norm}); "
-             "stopped before the update, last checkpoint: "
-             f"{latest_checkpoint(out_dir) or 'none'} (try a lower --lr).")
+        fail(f"step {step + 1}: non-finite loss ({loss}) or gradient norm ({grad_norm}), "
+             "stopped before the update: try a lower --lr.")
 
 
-# -----------------------------------------------------------------------------
-# When a run stops early: torchrun ends a node's other ranks when one fails; here a
-# refusal is said once, by a rank that has it, and a failed rank ends at once
+# When a run stops early: a refusal said once, a failed rank ended at once
 
 def say(text, every_rank_has_it=False):
-    """Print `text` (rank 0 alone: every rank has it), and leave it for torchrun's report."""
+    """Print (rank 0 alone if every rank has it), and leave it for torchrun's report."""
     if RANK == 0 or not every_rank_has_it:
         print(text, file=sys.stderr, flush=True)
     path = os.environ.get("TORCHELASTIC_ERROR_FILE")
     if path:
-        message = {"message": text, "extraInfo": {"timestamp": int(time.time())}}
-        Path(path).write_text(json.dumps({"message": message}))
+        Path(path).write_text(json.dumps({"message": text, "timestamp": int(time.time())}))
 
 
 @contextmanager
 def ranks_agree(device):
-    """Checks each rank makes on its own, then one collective: if any refused, all
-    stop. Rank 0 says its refusal (every rank has it, as a rule), else each refusing
-    rank says its own."""
+    """If any rank refused, all stop: rank 0 says its refusal, else each refusing rank."""
+
     problem = None
     try:
         yield
@@ -1548,20 +1402,17 @@ def ranks_agree(device):
 
 
 def resume_command(argv):
-    """How to continue this run from its last checkpoint."""
     flags = [a for a in argv or sys.argv[1:] if a not in ("--overwrite", "--resume")]
     launcher = "python"
     if WORLD_SIZE > 1:
         launcher = f"torchrun --nproc_per_node {WORLD_SIZE}"
-    local_size = int(os.environ.get("LOCAL_WORLD_SIZE", WORLD_SIZE))
-    if local_size != WORLD_SIZE:
+    if int(os.environ.get("LOCAL_WORLD_SIZE", WORLD_SIZE)) != WORLD_SIZE:
         launcher = "torchrun (on every node, launched as before)"
     return f"{launcher} opsd.py {shlex.join(flags)} --resume"
 
 
 @contextmanager
 def stop_cleanly(run):
-    """How main() ends early (`run`: its argv, args and step)."""
     interrupted = []
 
     def on_interrupt(signum, frame):
@@ -1582,29 +1433,20 @@ def stop_cleanly(run):
         if run["args"]:
             last = latest_checkpoint(run["args"].output_dir)
         if interrupted:
-            # each checkpoint's line also holds the command, for when rank 0 cannot print
+            # each checkpoint's line holds the command too, for when rank 0 cannot print
             resume = "no checkpoint yet, so nothing to resume"
             if last:
                 resume = f"the last checkpoint is {last}; continue with: "
                 resume += resume_command(run["argv"])
             print0(f"opsd.py: interrupted {where}; {resume}", file=sys.stderr)
             os._exit(130)
+        hint = ""
         if isinstance(e, torch.OutOfMemoryError):
-            print(f"torch.OutOfMemoryError: {e}", file=sys.stderr)
-            say(f"opsd.py: rank {RANK}: out of memory {where}: lower --micro-batch-size, "
-                f"--loss-chunk-size or --vllm-memory; the last checkpoint is {last}.")
-            os._exit(1)
-        if isinstance(e, CollectiveError):
-            say(f"opsd.py: rank {RANK}: a collective failed {where} (the last checkpoint is "
-                f"{last}): {e}")
-            os._exit(1)
-        if WORLD_SIZE == 1:
-            raise  # no other rank waits: Python's own traceback and exit
-        from torch.distributed.elastic.multiprocessing.errors import ErrorHandler
-        print(f"opsd.py: rank {RANK}: error {where} (the last checkpoint is {last}):\n"
-              f"{traceback.format_exc()}", file=sys.stderr, flush=True)
-        ErrorHandler().record_exception(e)  # the traceback, for torchrun's report
-        os._exit(1)  # not through vLLM's teardown, which could wait for the others
+            hint = "; lower --micro-batch-size, --loss-chunk-size or --vllm-memory"
+        # a failed collective is this rank's error too
+        say(f"opsd.py: rank {RANK}: error {where} (the last checkpoint is {last}){hint}:\n"
+            f"{traceback.format_exc()}")
+        os._exit(1)  # not through vLLM's teardown, which could wait for others
     finally:
         signal.signal(signal.SIGINT, previous)
 

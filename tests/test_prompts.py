@@ -83,7 +83,7 @@ def test_missing_column_names_it_and_the_columns_that_exist(tmp_path, capsys):
     bad.write_text("problem,solution\n")
     with pytest.raises(opsd.Refusal) as refused:
         opsd.load_rows(str(bad), "train", "problem", "solution")
-    assert "must be .json, .jsonl or .parquet" in str(refused.value)
+    assert str(refused.value).endswith("(a hub id needs network; else give a local .json, .jsonl or .parquet file)")
 
 
 def test_long_rows_are_dropped_and_counted(tok, capsys):

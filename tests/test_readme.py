@@ -57,7 +57,7 @@ def test_the_reading_guide_names_functions_of_part_1_in_the_order_they_come():
 # train.py 47.0 characters a line, 3% over 100; nanochat's chat_rl.py 55.9, 11%.
 MEAN_LINE = 58
 SHARE_OVER_100 = 0.10
-CHARACTERS = 74_900  # a ceiling: the file may shrink, not grow
+CHARACTERS = 63_500  # a ceiling: the file may shrink, not grow (the target: 62,000)
 
 
 def test_opsd_reads_method_first_in_plain_lines():
@@ -75,7 +75,7 @@ def test_opsd_reads_method_first_in_plain_lines():
     part_1 = source[:source.index("# PART 1: THE METHOD")].count("\n") + 1
     before = {node.name for node in tree.body if isinstance(node, (ast.FunctionDef, ast.ClassDef))
               and node.lineno < part_1}
-    assert before == {"print0", "Refusal", "fail", "CollectiveError", "all_reduce"}, before
+    assert before == {"print0", "Refusal", "fail", "all_reduce"}, before
     for node in ast.walk(tree):
         # no conditional expression as a statement, no string multiplied by a boolean
         assert not (isinstance(node, ast.Expr) and isinstance(node.value, ast.IfExp)), node.lineno

@@ -69,7 +69,7 @@ def push(llm, model):
     """opsd.py's push and its read-back: None, or the sentence that stops the run."""
     opsd.push_weights(llm, model)
     try:
-        opsd.check_push(llm, model, "no-run")
+        opsd.check_push(llm, model)
     except opsd.Refusal as e:
         return str(e)
     return None
@@ -181,8 +181,7 @@ def test_a_push_that_leaves_a_projection_untouched_stops_the_run(engine, tiny_mo
     skip = "model.layers.1.mlp.down_proj.weight"
     monkeypatch.setattr(opsd, "merged_weights", lambda m: ((n, w) for n, w in complete(m) if n != skip))
     assert push(llm, model) == ("the weight push failed: vLLM's model.layers.1.mlp.down_proj does not hold the "
-                                "merged weights sent to it (is vllm the version requirements.txt pins?). Stopped; the "
-                                "last checkpoint is none.")
+                                "merged weights sent to it (is vllm the version requirements.txt pins?).")
     monkeypatch.setattr(opsd, "merged_weights", complete)
     assert push(llm, model) is None  # a complete push finds nothing wrong
 
@@ -210,7 +209,7 @@ def test_a_push_one_element_off_the_merged_weights_stops_the_run(engine, tiny_mo
 STALE = """
 import sys, opsd
 opsd.push_weights = lambda llm, model: None  # never push: vLLM keeps sampling from the base weights,
-opsd.check_push = lambda llm, model, out_dir: None  # and nothing reads them back
+opsd.check_push = lambda llm, model: None  # and nothing reads them back
 opsd.main(sys.argv[1:])
 """
 
@@ -265,8 +264,9 @@ def test_a_failed_push_stops_the_run_in_one_sentence_naming_the_layer_and_the_ch
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=root)
     assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
     assert said(proc.stderr, "opsd.py: error: the weight push failed: vLLM's model.layers.1.mlp.down_proj does not "
-                             "hold the merged weights sent to it (is vllm the version requirements.txt pins?). "
-                             f"Stopped; the last checkpoint is {tmp_path / 'checkpoint-1'}.") == 1, proc.stderr[-3000:]
+                             "hold the merged weights sent to it (is vllm the version requirements.txt pins?).") == 1, \
+        proc.stderr[-3000:]
+    assert "checkpoint-1; to resume: " in proc.stdout  # where to go on from, printed when it was written
     assert not (tmp_path / "checkpoint-2").exists() and not (tmp_path / "final").exists()
 
 

@@ -193,9 +193,9 @@ def run_with_fault(cmd, fault, logs):
 
 def test_a_kill_of_one_rank_ends_the_other_in_one_line_and_the_run_resumes_to_the_same_adapter(entry_run,
                                                                                               tiny_model_dir, tmp_path):
-    """kill -9 of rank 1 in step 3 (after checkpoint-2): torchrun ends rank 0 within seconds, with no traceback (and
-    at most one line, if gloo told it first that its peer is gone); then a resume ends on the uninterrupted run's
-    adapter and records."""
+    """kill -9 of rank 1 in step 3 (after checkpoint-2): torchrun ends rank 0 within seconds, silently (or with one
+    error and its traceback, if gloo told it first that its peer is gone); then a resume ends on the uninterrupted
+    run's adapter and records."""
     reference, _ = entry_run
     out, logs = tmp_path / "killed", tmp_path / "logs"
     cmd = opsd_command(tiny_model_dir, out, "--clip", "entry", "--max-steps", "5", "--save-every", "2")
@@ -203,8 +203,8 @@ def test_a_kill_of_one_rank_ends_the_other_in_one_line_and_the_run_resumes_to_th
     fault_at = float(next(line for line in ranks[1].splitlines() if line.startswith("fault at ")).split()[2])
     assert proc.returncode != 0 and end - fault_at < 15, (end - fault_at, proc.stderr[-2000:])
     ours = [line for line in ranks[0].splitlines() if line.startswith("opsd.py")]
-    assert len(ours) <= 1 and all("rank 0: a collective failed at step 3 of 5 (" in line for line in ours)
-    assert "Traceback" not in ranks[0] and "interrupted" not in ranks[0], ranks[0][-2000:]
+    assert len(ours) <= 1 and all("rank 0: error at step 3 of 5 (" in line for line in ours)
+    assert "interrupted" not in ranks[0] and (ours or "Traceback" not in ranks[0]), ranks[0][-2000:]
     assert "Signal 9 (SIGKILL)" in proc.stderr.split("Root Cause (first observed failure):", 1)[1]
     assert not (out / "final").exists() and not (out / "checkpoint-4").exists()
     for name in ("metrics.jsonl", "rollouts.jsonl"):  # and a line cut in the middle of a write, as a kill can leave
@@ -267,7 +267,7 @@ def test_output_dir_and_resume_refusals(tiny_model_dir, entry_run, tmp_path):
         (["--output-dir", str(unfinished), "--resume", *same, "--max-steps", "200", "--lr", "1e-4", "--clip", "token"],
          f"--resume with other --clip, --max-steps, --lr than the run in {unfinished} would change its results"),
         (["--output-dir", str(tmp_path / "no-checkpoint"), "--resume", *same], "holds no checkpoint yet"),
-        (["--output-dir", str(tmp_path / "empty"), "--resume", *same], "holds no run to resume"),
+        (["--output-dir", str(tmp_path / "empty"), "--resume", *same], "holds no run (no args.json)"),
         (["--output-dir", str(older), "--resume", *same], f"--resume with other prompts, model files, device type than "
                                                           f"the run in {older}"),
     ]
@@ -286,7 +286,7 @@ def test_non_finite_loss_stops_the_run_and_keeps_the_checkpoint(tiny_model_dir, 
            "--max-steps", "3", "--save-every", "1", "--lr", "1e30", "--output-dir", str(tmp_path)]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert proc.returncode != 0
-    assert "step 2: non-finite loss" in proc.stderr and "checkpoint-1" in proc.stderr
+    assert "step 2: non-finite loss" in proc.stderr and "checkpoint-1; to resume: " in proc.stdout
     assert not (tmp_path / "checkpoint-2").exists() and not (tmp_path / "final").exists()
     state = torch.load(tmp_path / "checkpoint-1" / "trainer_state.pt", weights_only=True)
     assert state["step"] == 1
@@ -428,5 +428,5 @@ def test_resume_on_a_rank_that_does_not_see_the_run_is_refused_by_that_rank(entr
     elsewhere = tmp_path / "node-local"
     out, proc, ranks = resume_with_rank_1_in(elsewhere, entry_run, tiny_model_dir, tmp_path)
     assert proc.returncode != 0 and "opsd.py" not in ranks[0] and "Traceback" not in ranks[0] + ranks[1]
-    assert said(ranks[1], f"opsd.py: error: rank 1: --resume: {elsewhere} holds no run to resume (no args.json): drop "
-                          "--resume to start one; across nodes --output-dir must be one directory every rank sees.") == 1, ranks[1]
+    assert said(ranks[1], f"opsd.py: error: rank 1: --resume: {elsewhere} holds no run (no args.json); across nodes "
+                          "every rank must see one --output-dir.") == 1, ranks[1]

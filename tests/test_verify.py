@@ -52,7 +52,7 @@ def test_the_fixture_speaks_a_peers_language(tokenizer):
     problem and reference, the completion is its ids decoded, and the model is the one the figures came from."""
     assert FIXTURE["model_sha256_16"] == verify.sha16(MODEL / "model.safetensors")
     for r in ROWS:
-        for side, message in (("student", opsd.eval_message(r["problem"])),
+        for side, message in (("student", opsd.student_message(r["problem"], "eval")),
                               ("teacher", opsd.teacher_message(r["problem"], r["reference"]))):
             assert r[f"{side}_message"] == message
             chat = [{"role": "user", "content": message}]

@@ -223,7 +223,7 @@ def build_tokenizer(train, trace=None):
     trainer = trainers.BpeTrainer(vocab_size=512, special_tokens=SPECIAL_TOKENS, show_progress=False,
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
     lines = [opsd.teacher_message(r["problem"], r["solution"]) + " " + trace(r) for r in train[:200]]
-    lines += [opsd.eval_message(r["problem"]) + " " + trace(r) for r in train[:200]]
+    lines += [opsd.student_message(r["problem"], "eval") + " " + trace(r) for r in train[:200]]
     lines += [opsd.student_message(r["problem"]) for r in train[:50]]
     bpe.train_from_iterator(lines, trainer)
     tok = PreTrainedTokenizerFast(tokenizer_object=bpe, eos_token="<|im_end|>", pad_token="<|endoftext|>",
@@ -655,7 +655,7 @@ def train_grpo(model_dir, train_file, seed, steps, lr, out_dir, save_every=0):
             grad_norm, lr_now = optimizer_step(optimizer, lora_params, step, lr, steps)
             t2 = time.perf_counter()
             opsd.push_weights(llm, model)
-            opsd.check_push(llm, model, out_dir)  # a Refusal if the engine does not hold what was sent
+            opsd.check_push(llm, model)  # a Refusal if the engine does not hold what was sent
             time_push = time.perf_counter() - t2
             tokens = sum(map(len, completions))
             log.write(json.dumps({"step": step + 1, "loss": loss.item(), "reward_mean": sum(rewards) / len(rewards),

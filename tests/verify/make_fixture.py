@@ -156,7 +156,7 @@ def main():
     tok = AutoTokenizer.from_pretrained(MODEL)
     rows = []
     for i, (problem, reference, kind) in enumerate(problems()):
-        student_message, teacher_message = opsd.eval_message(problem), opsd.teacher_message(problem, reference)
+        student_message, teacher_message = opsd.student_message(problem, "eval"), opsd.teacher_message(problem, reference)
         student_prompt = render(tok, student_message, STUDENT_TEMPLATE)
         teacher_prompt = render(tok, teacher_message, TEACHER_TEMPLATE)
         rows.append({
