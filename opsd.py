@@ -11,7 +11,7 @@ also sees a reference solution. Each optimizer step:
      the teacher's with a full-vocabulary KL; only LoRA weights train;
   4. the merged LoRA weights are pushed into the running vLLM engine, in place.
 
-Departures from the released recipe: README.md. Then: the helpers the method calls;
+Departures from the released recipe: README.md. Below: the helpers the method calls;
 Part 1, the method; Part 2, the run; Part 3, the guards.
 """
 
@@ -158,13 +158,14 @@ def render(tokenizer, message, thinking):
         return_dict=False)
 
 
-def build_prompts(tokenizer, rows, *, student_thinking, teacher_thinking,
-                  max_prompt_length, student_prompt="recipe"):
+def build_prompts(
+        tokenizer, rows, *, student_thinking, teacher_thinking, max_prompt_length,
+        student_prompt="recipe"):
     """[(student ids, teacher ids)] of the rows that fit max_prompt_length."""
     prompts = []
     for problem, context in rows:
-        student = render(tokenizer, student_message(problem, student_prompt),
-                         student_thinking)
+        student = render(
+            tokenizer, student_message(problem, student_prompt), student_thinking)
         teacher = render(tokenizer, teacher_message(problem, context), teacher_thinking)
         if max(len(student), len(teacher)) <= max_prompt_length:
             prompts.append((student, teacher))
@@ -191,8 +192,8 @@ LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", 
 
 
 class LoRALinear(nn.Module):
-    """A frozen linear layer plus a trainable low-rank update, in float32 (an lr of
-    5e-6 would round away in bf16). `weight` and `bias` keep vLLM's names."""
+    """A frozen linear layer plus a float32 low-rank update (an lr of 5e-6 rounds away
+    in bf16). `weight` and `bias` keep vLLM's names."""
 
     def __init__(self, base, r, alpha, generator):
         super().__init__()
@@ -247,13 +248,11 @@ def merged_weights(model):
 
 # Rollout: one vLLM engine per rank; weights pushed in place
 
-# vLLM on a CPU: no CUDA graphs; no chunked prefill (it rewinds a seeded generator,
-# which a CPU torch.Generator cannot do)
+# vLLM on a CPU: eager; no chunked prefill (it rewinds a seeded CPU generator)
 CPU_ENGINE = {"enforce_eager": True, "enable_chunked_prefill": False}
 
 
 def engine_environment(cpu):
-    """vLLM's errors only, without two notices; on a CPU, a KV cache of 1 GiB."""
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
     logging.getLogger("vllm.triton_utils.importing").setLevel(logging.ERROR)
     warnings.filterwarnings("ignore", r"`torch\.distributed\.reduce_op` is deprecated",
@@ -282,8 +281,8 @@ def start_engine(args, device):
 
 
 def sample(llm, prompts, seeds, args):
-    """Completions (token ids, EOS included when sampled) and vLLM's raw log-prob of
-    each token (before temperature, top-k, top-p). One seed per request."""
+    """Completions (token ids, with EOS when sampled) and vLLM's raw log-prob of each
+    token (before temperature, top-k, top-p); a seed per request."""
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
     params = [SamplingParams(
@@ -300,8 +299,8 @@ def sample(llm, prompts, seeds, args):
 
 
 def push_weights(llm, model):
-    """The merged LoRA weights into the running engine, in place; then its prefix
-    cache (of the old weights) is dropped."""
+    """The merged LoRA weights into the running engine, in place; its prefix cache
+    (of the old weights) dropped."""
     # all seven projections: vLLM stacks q/k/v and gate/up itself
     weights = {"weights_iterator": merged_weights(model), "is_checkpoint_format": True}
     llm.collective_rpc("reload_weights", kwargs=weights)
@@ -342,9 +341,7 @@ def lora_values(lora_params, values):
 
 
 def teacher_weights(model, lora_params, teacher, ema):
-    """The context of the teacher's forward pass; the EMA teacher is the student
-    until the first step."""
-
+    """The context of the teacher's forward pass (EMA: the student's until step 1)."""
     if teacher == "base":
         return lora_disabled(model)
     if teacher == "ema" and ema is not None:
@@ -362,8 +359,8 @@ def ema_update(ema, lora_params, decay):
     return ema
 
 
-# The loss: the batch, the divergence at one position, a micro-batch's loss (plain,
-# then in chunks), one step over micro-batches and ranks, the logged KL
+# The loss: the batch, the divergence at a position, a micro-batch's loss (plain, then
+# in chunks), a step over micro-batches and ranks, the logged KL
 
 def build_batch(prompts, completions, pad_id, device):
     """Model inputs of one micro-batch, and the mask of answer tokens (B, T).
@@ -385,8 +382,8 @@ def build_batch(prompts, completions, pad_id, device):
         attention_mask[row, :P + L] = 1
         completion_mask[row, P:P + L] = True
     position_ids = attention_mask.cumsum(-1) - 1  # (B, T) 0 .. P + L - 1, then constant
-    inputs = {"input_ids": input_ids, "attention_mask": attention_mask,
-              "position_ids": position_ids}
+    inputs = {
+        "input_ids": input_ids, "attention_mask": attention_mask, "position_ids": position_ids}
     inputs = {name: x.to(device) for name, x in inputs.items()}
     return inputs, completion_mask.to(device)
 
@@ -425,8 +422,9 @@ def clipped_divergence(log_s, log_t, *, beta, clip, tau):
     return k
 
 
-def plain_loss(student_logits, teacher_logits, num_tokens, *, beta=0.0, temperature=1.0,
-               clip="entry", tau=0.05):
+def plain_loss(
+        student_logits, teacher_logits, num_tokens, *, beta=0.0, temperature=1.0,
+        clip="entry", tau=0.05):
     """A micro-batch's loss, plainly: the scored positions' logits (N, V) each, the
     divergence at each, summed, / the step's token count; autograd gives the gradient.
     opsd_loss computes the same without holding N x V logits."""
@@ -468,27 +466,27 @@ def divergence_stats(student_logits, log_s, log_t, targets, terms, *, tau):
     student_entropy = -(log_s.exp() * log_s).sum(-1)
     teacher_entropy = -(p_t * log_t).sum(-1)
     negative = (terms < -1e-6).float()  # float32's rounding of a zero term is not negative
-    return PositionStats(d.sum(-1), clipped_mass, logprob, student_entropy, teacher_entropy,
-                         negative)
+    return PositionStats(
+        d.sum(-1), clipped_mass, logprob, student_entropy, teacher_entropy, negative)
 
 
 def join_stats(stats):
     return PositionStats(*(torch.cat(parts) for parts in zip(*stats)))
 
 
-def opsd_loss(student_hidden, student_mask, teacher_hidden, teacher_mask, lm_head_weight,
-              num_tokens, targets=None, *, loss_positions=None, beta=0.0, temperature=1.0,
-              clip="entry", tau=0.05, chunk_size=256):
+def opsd_loss(
+        student_hidden, student_mask, teacher_hidden, teacher_mask, lm_head_weight,
+        num_tokens, targets=None, *, loss_positions=None, beta=0.0, temperature=1.0,
+        clip="entry", tau=0.05, chunk_size=256):
     """(loss, stats) of one micro-batch: plain_loss's value and gradient over the
-    positions in the loss, computed in chunks.
+    positions in the loss, in chunks.
 
-    The hidden states (B, T, H) come before the frozen lm_head. Each mask (B, T)
-    selects the N positions scored, in the same order on both sides; the caller
-    (backward_step) has already moved the answer-token mask one position left.
-    loss = the sum of the N loss terms / num_tokens, the step's count over
-    micro-batches and ranks. `loss_positions` (N,) is 0 at positions left out of the
-    loss (--skip-first-tokens); `targets` (N,), the sampled tokens, asks for `stats`,
-    the PositionStats of all N positions."""
+    Hidden states (B, T, H) come before the frozen lm_head; each mask (B, T) selects
+    the N positions scored, in the same order on both sides (the caller moved the
+    answer-token mask one position left). loss = the sum of the N loss terms /
+    num_tokens, the step's count over micro-batches and ranks. `loss_positions` (N,)
+    is 0 where --skip-first-tokens leaves a position out; `targets` (N,), the sampled
+    tokens, asks for `stats`, the PositionStats of all N positions."""
     hs = student_hidden[student_mask]  # (N, H)
     ht = teacher_hidden[teacher_mask].detach()  # (N, H)
     N = hs.shape[0]
@@ -500,9 +498,8 @@ def opsd_loss(student_hidden, student_mask, teacher_hidden, teacher_mask, lm_hea
     total = hs.new_zeros((), dtype=torch.float32)
     grads = []
     stats = []
-    # Chunks, for memory: logits exist for chunk_size positions at a time (C x V,
-    # never N x V), and each chunk's gradient with respect to its hidden states is
-    # taken while its logits exist.
+    # Chunks, for memory: logits exist for chunk_size positions at a time (C x V, never
+    # N x V); each chunk's gradient for its hidden states is taken while they exist.
     for i in range(0, N, chunk_size):
         h = hs[i:i + chunk_size].detach().requires_grad_(need_grad)  # (C, H)
         teacher_logits = ht[i:i + chunk_size] @ W.T  # (C, V)
@@ -533,13 +530,13 @@ def opsd_loss(student_hidden, student_mask, teacher_hidden, teacher_mask, lm_hea
     return loss, join_stats(stats)
 
 
-def backward_step(model, lora_params, student_prompts, teacher_prompts, completions, *,
-                  pad_id, micro_batch_size, teacher, ema=None, skip_first_tokens=0,
-                  **loss_kw):
+def backward_step(
+        model, lora_params, student_prompts, teacher_prompts, completions, *, pad_id,
+        micro_batch_size, teacher, ema=None, skip_first_tokens=0, **loss_kw):
     """(the step's loss, PositionStats of this rank's answer positions in order); the
-    gradient is left in the LoRA parameters' .grad, summed over ranks. Each
-    micro-batch's loss is divided by the step's token count over micro-batches and
-    ranks (less `skip_first_tokens` per answer): one big batch's gradient."""
+    gradient, summed over ranks, in the LoRA parameters' .grad. Each micro-batch's
+    loss is divided by the step's token count over micro-batches and ranks (less
+    `skip_first_tokens` per answer): one big batch's gradient."""
     device = lora_params[0].device
     lm_head = model.get_output_embeddings().weight  # (V, H), frozen
     loss_tokens = sum(max(0, len(c) - skip_first_tokens) for c in completions)
@@ -580,16 +577,18 @@ def backward_step(model, lora_params, student_prompts, teacher_prompts, completi
 
 def diagnostic_sums(stats, sampler_logprobs, tau):
     """This step's sums over all ranks, from this rank's PositionStats and vLLM's
-    log-probs of the same tokens (a list per answer)."""
+    log-probs of its tokens."""
+
     kl = stats.kl
     gap = (stats.logprob - torch.tensor(sum(sampler_logprobs, []), device=kl.device)).abs()
     lengths = [len(lp) for lp in sampler_logprobs]
     starts = [sum(lengths[:i]) for i, n in enumerate(lengths) if n]  # first positions
-    local = {"tokens": len(kl), "kl": kl.sum(), "above_tau": (kl > tau).sum(),
-             "clipped_mass": stats.clipped_mass.sum(), "first_kl": kl[starts].sum(),
-             "first_tokens": len(starts), "gap": gap.sum(),
-             "student_entropy": stats.student_entropy.sum(),
-             "teacher_entropy": stats.teacher_entropy.sum(), "negative": stats.negative.sum()}
+    local = {
+        "tokens": len(kl), "kl": kl.sum(), "above_tau": (kl > tau).sum(),
+        "clipped_mass": stats.clipped_mass.sum(), "first_kl": kl[starts].sum(),
+        "first_tokens": len(starts), "gap": gap.sum(),
+        "student_entropy": stats.student_entropy.sum(),
+        "teacher_entropy": stats.teacher_entropy.sum(), "negative": stats.negative.sum()}
     values = torch.tensor([float(v) for v in local.values()], device=kl.device)
     sums = dict(zip(local, all_reduce(values).tolist()))
     gap_max = torch.cat([gap, gap.new_zeros(1)]).max()  # 0 without positions
@@ -598,19 +597,19 @@ def diagnostic_sums(stats, sampler_logprobs, tau):
 
 
 def kl_window_means(window, kl_window):
-    """The logged means over the newest whole steps that hold `kl_window` tokens
-    (PositionStats defines each); older steps leave `window`."""
+    """The logged means (PositionStats defines each) over the newest whole steps that
+    hold `kl_window` tokens; older steps leave `window`."""
     while len(window) > 1 and sum(w["tokens"] for w in list(window)[1:]) >= kl_window:
         window.popleft()
     w = {key: sum(step_sums[key] for step_sums in window) for key in window[-1]}
     tokens = max(w["tokens"], 1)
-    return {"kl_mean": w["kl"] / tokens, "kl_frac_above_tau": w["above_tau"] / tokens,
-            "kl_clipped_teacher_mass": w["clipped_mass"] / tokens,
-            "kl_first_token": w["first_kl"] / max(w["first_tokens"], 1),
-            "entropy_student": w["student_entropy"] / tokens,
-            "entropy_teacher": w["teacher_entropy"] / tokens,
-            "loss_frac_negative": w["negative"] / tokens,
-            "kl_window_tokens": int(w["tokens"])}
+    return {
+        "kl_mean": w["kl"] / tokens, "kl_frac_above_tau": w["above_tau"] / tokens,
+        "kl_clipped_teacher_mass": w["clipped_mass"] / tokens,
+        "kl_first_token": w["first_kl"] / max(w["first_tokens"], 1),
+        "entropy_student": w["student_entropy"] / tokens,
+        "entropy_teacher": w["teacher_entropy"] / tokens,
+        "loss_frac_negative": w["negative"] / tokens, "kl_window_tokens": int(w["tokens"])}
 
 
 # The learning-rate schedule
@@ -620,8 +619,7 @@ def lr_at(step, *, lr, max_steps, warmup_steps=0, min_lr=0.0):
     # 1) linear warmup: lr * (step + 1) / warmup_steps, so the first step moves the weights
     if step < warmup_steps:
         return lr * (step + 1) / warmup_steps
-    # 2) cosine decay: min_lr + (lr - min_lr) (1 + cos(pi progress)) / 2, reaching min_lr
-    #    at max_steps
+    # 2) cosine decay: min_lr + (lr - min_lr) (1 + cos(pi progress)) / 2, min_lr at the end
     progress = (step - warmup_steps) / max(1, max_steps - warmup_steps)
     return min_lr + 0.5 * (lr - min_lr) * (1.0 + math.cos(math.pi * progress))
 
@@ -631,23 +629,25 @@ def lr_at(step, *, lr, max_steps, warmup_steps=0, min_lr=0.0):
 # Config: the defaults are the released recipe's
 
 def check_flags(args):
-    for name in (
-            "lora_r", "lora_alpha", "max_prompt_length", "max_new_tokens", "tau",
-            "loss_temperature", "loss_chunk_size", "max_steps", "prompts_per_step",
-            "micro_batch_size", "lr", "max_grad_norm", "collective_timeout"):
+    positive = (
+        "lora_r", "lora_alpha", "max_prompt_length", "max_new_tokens", "tau",
+        "loss_temperature", "loss_chunk_size", "max_steps", "prompts_per_step",
+        "micro_batch_size", "lr", "max_grad_norm", "collective_timeout")
+    for name in positive:
         if getattr(args, name) <= 0:
             fail(f"--{name.replace('_', '-')} must be positive.")
-    # vLLM checks these only at the first step, minutes in
-    for flag, within, interval in [
-            ("--top-p", 0 < args.top_p <= 1, "(0, 1]"),
-            ("--vllm-memory", 0 < args.vllm_memory <= 1, "(0, 1]"),
-            ("--temperature", 0 < args.temperature <= 2, "(0, 2]"),
-            ("--beta", 0 <= args.beta <= 1, "[0, 1]"),
-            ("--ema-decay", 0 < args.ema_decay < 1, "(0, 1)"),
-            ("--skip-first-tokens", 0 <= args.skip_first_tokens < args.max_new_tokens,
-             "[0, --max-new-tokens)"),
-            ("--min-lr", 0 <= args.min_lr <= args.lr, "[0, --lr]"),
-            ("--warmup-steps", 0 <= args.warmup_steps < args.max_steps, "[0, --max-steps)")]:
+    # ranges (vLLM checks its own only at the first step, minutes in)
+    ranges = [
+        ("--top-p", 0 < args.top_p <= 1, "(0, 1]"),
+        ("--vllm-memory", 0 < args.vllm_memory <= 1, "(0, 1]"),
+        ("--temperature", 0 < args.temperature <= 2, "(0, 2]"),
+        ("--beta", 0 <= args.beta <= 1, "[0, 1]"),
+        ("--ema-decay", 0 < args.ema_decay < 1, "(0, 1)"),
+        ("--skip-first-tokens", 0 <= args.skip_first_tokens < args.max_new_tokens,
+         "[0, --max-new-tokens)"),
+        ("--min-lr", 0 <= args.min_lr <= args.lr, "[0, --lr]"),
+        ("--warmup-steps", 0 <= args.warmup_steps < args.max_steps, "[0, --max-steps)")]
+    for flag, within, interval in ranges:
         if not within:
             fail(f"{flag} must lie in {interval}.")
     if args.top_k == 0 or args.top_k < -1:
@@ -667,7 +667,7 @@ def parse_args(argv=None):
 
     p.error = fail  # argparse's refusals, as one sentence
 
-    def add(flag, default, help, **kwargs):
+    def add(flag, default, help, **kwargs):  # typed by its default; a bool: on/off
         if isinstance(default, bool):
             kwargs["action"] = argparse.BooleanOptionalAction
         elif default is not None:
@@ -740,114 +740,120 @@ def main(argv=None):
     with stop_cleanly(run):
         args = parse_args(argv)
         run["args"] = args
-        if args.device != "cpu":
-            check_cuda_build()
-        device = init_distributed(args)
-        out_dir = Path(args.output_dir)
+        train(args, run)
 
-        # ---- what a user can get wrong, before a model or vLLM loads
-        with ranks_agree(device):
-            resume_from = check_output_dir(args)
-            check_model(args)
-            tokenizer, prompts = load_prompts(args)
-            args_record = run_record(args, prompts, device)
-            if resume_from:
-                check_resume(args_record, out_dir)
-            try:  # the first thing written
-                out_dir.mkdir(parents=True, exist_ok=True)
-            except OSError as e:
-                fail(f"--output-dir {out_dir}: {e.strerror}: choose another.")
 
-        # ---- the model with LoRA, and this rank's vLLM engine
-        model, lora_params = load_model(args, device)
-        optimizer = torch.optim.AdamW(lora_params, lr=args.lr, weight_decay=0.0)
-        llm = start_engine(args, device)
-        start_step = 0
-        ema = None
-        window = deque()  # per-step sums, newest last
+def train(args, run):
+    if args.device != "cpu":
+        check_cuda_build()
+    device = init_distributed(args)
+    out_dir = Path(args.output_dir)
+
+    # ---- what a user can get wrong, before a model or vLLM loads
+    with ranks_agree(device):
+        resume_from = check_output_dir(args)
+        check_model(args)
+        tokenizer, prompts = load_prompts(args)
+        args_record = run_record(args, prompts, device)
         if resume_from:
-            start_step, ema, window = restore(resume_from, model, lora_params, optimizer)
-            push_weights(llm, model)
-            with ranks_agree(device):
-                check_push(llm, model)
-            print0(f"resumed from {resume_from} at step {start_step}")
-        tracker = None
+            check_resume(args_record, out_dir)
+        try:  # the first thing written
+            out_dir.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            fail(f"--output-dir {out_dir}: {e.strerror}: choose another.")
+
+    # ---- the model with LoRA, and this rank's vLLM engine
+    model, lora_params = load_model(args, device)
+    optimizer = torch.optim.AdamW(lora_params, lr=args.lr, weight_decay=0.0)
+    llm = start_engine(args, device)
+    start_step = 0
+    ema = None
+    window = deque()  # per-step sums, newest last
+    if resume_from:
+        start_step, ema, window = restore(resume_from, model, lora_params, optimizer)
+        push_weights(llm, model)
+        with ranks_agree(device):
+            check_push(llm, model)
+        print0(f"resumed from {resume_from} at step {start_step}")
+    tracker = None
+    if RANK == 0:
+        tracker = open_run(args, start_step, args_record)
+    loss_kw = {
+        "beta": args.beta, "temperature": args.loss_temperature, "clip": args.clip,
+        "tau": args.tau, "chunk_size": args.loss_chunk_size}
+    pad_id = tokenizer.pad_token_id
+    if pad_id is None:
+        pad_id = tokenizer.eos_token_id
+    per_rank = args.prompts_per_step // WORLD_SIZE
+    mine = range(RANK * per_rank, (RANK + 1) * per_rank)  # this rank's requests
+
+    for step in range(start_step, args.max_steps):
+        run["step"] = step
+        # ---- generate; a request's seed is a function of (seed, step, request)
+        t0 = time.perf_counter()
+        indices = step_indices(step, args.prompts_per_step, len(prompts), args.seed)
+        student_prompts, teacher_prompts = zip(*[prompts[indices[j]] for j in mine])
+
+        first_seed = args.seed * 1_000_003 + step * args.prompts_per_step
+        seeds = [(first_seed + j) % 2**31 for j in mine]
+        completions, sampler_logprobs = sample(llm, student_prompts, seeds, args)
+        t1 = time.perf_counter()
+
+        # ---- train
+        loss, stats = backward_step(
+            model, lora_params, student_prompts, teacher_prompts, completions,
+            pad_id=pad_id, micro_batch_size=args.micro_batch_size, teacher=args.teacher,
+            ema=ema, skip_first_tokens=args.skip_first_tokens, **loss_kw)
+        grad_norm = torch.nn.utils.clip_grad_norm_(lora_params, args.max_grad_norm).item()
+        check_finite(step, loss, grad_norm)
+        lr = lr_at(step, lr=args.lr, max_steps=args.max_steps,
+                   warmup_steps=args.warmup_steps, min_lr=args.min_lr)
+        for group in optimizer.param_groups:
+            group["lr"] = lr
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        if args.teacher == "ema":
+            ema = ema_update(ema, lora_params, args.ema_decay)
+        t2 = time.perf_counter()
+
+        # ---- update the inference engine's weights, and read them back
+        push_weights(llm, model)
+        with ranks_agree(device):
+            check_push(llm, model)
+        t3 = time.perf_counter()
+
+        # ---- log
+        sums = diagnostic_sums(stats, sampler_logprobs, args.tau)
+        window.append(sums)
+        record = {
+            "step": step + 1, "loss": loss, "lr": lr, "grad_norm": grad_norm,
+            **kl_window_means(window, args.kl_window),
+            "logprob_gap_mean": sums["gap"] / max(sums["tokens"], 1),
+            "logprob_gap_max": sums["gap_max"],
+            "completion_len_mean": sums["tokens"] / args.prompts_per_step,
+            "time_sample": t1 - t0, "time_train": t2 - t1, "time_push": t3 - t2,
+            "tokens_per_second": sums["tokens"] / (t3 - t0)}
         if RANK == 0:
-            tracker = open_run(args, start_step, args_record)
-        loss_kw = {"beta": args.beta, "temperature": args.loss_temperature,
-                   "clip": args.clip, "tau": args.tau, "chunk_size": args.loss_chunk_size}
-        pad_id = tokenizer.pad_token_id
-        if pad_id is None:
-            pad_id = tokenizer.eos_token_id
-        per_rank = args.prompts_per_step // WORLD_SIZE
-        mine = range(RANK * per_rank, (RANK + 1) * per_rank)  # this rank's requests
+            rollouts = rollout_records(
+                args, step, indices, mine, completions, stats.kl, tokenizer)
+            log_step(args, record, rollouts, tracker)
 
-        for step in range(start_step, args.max_steps):
-            run["step"] = step
-            # ---- generate; a request's seed is a function of (seed, step, request)
-            t0 = time.perf_counter()
-            indices = step_indices(step, args.prompts_per_step, len(prompts), args.seed)
-            student_prompts, teacher_prompts = zip(*[prompts[indices[j]] for j in mine])
+        # ---- checkpoint (the last step writes final/ instead)
+        due = args.save_every and (step + 1) % args.save_every == 0
+        if RANK == 0 and due and step + 1 < args.max_steps:
+            state = {"step": step + 1, "optimizer": optimizer.state_dict(),
+                     "kl_window": list(window)}
+            save_run_state(out_dir, model, lora_params, ema, args, state)
+            print(f"checkpoint-{step + 1}; to resume: {resume_command(run['argv'])}",
+                  flush=True)
 
-            first_seed = args.seed * 1_000_003 + step * args.prompts_per_step
-            seeds = [(first_seed + j) % 2**31 for j in mine]
-            completions, sampler_logprobs = sample(llm, student_prompts, seeds, args)
-            t1 = time.perf_counter()
-
-            # ---- train
-            loss, stats = backward_step(
-                model, lora_params, student_prompts, teacher_prompts, completions,
-                pad_id=pad_id, micro_batch_size=args.micro_batch_size, teacher=args.teacher,
-                ema=ema, skip_first_tokens=args.skip_first_tokens, **loss_kw)
-            grad_norm = torch.nn.utils.clip_grad_norm_(lora_params, args.max_grad_norm).item()
-            check_finite(step, loss, grad_norm)
-            lr = lr_at(step, lr=args.lr, max_steps=args.max_steps,
-                       warmup_steps=args.warmup_steps, min_lr=args.min_lr)
-            for group in optimizer.param_groups:
-                group["lr"] = lr
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-            if args.teacher == "ema":
-                ema = ema_update(ema, lora_params, args.ema_decay)
-            t2 = time.perf_counter()
-
-            # ---- update the inference engine's weights, and read them back
-            push_weights(llm, model)
-            with ranks_agree(device):
-                check_push(llm, model)
-            t3 = time.perf_counter()
-
-            # ---- log
-            sums = diagnostic_sums(stats, sampler_logprobs, args.tau)
-            window.append(sums)
-            record = {"step": step + 1, "loss": loss, "lr": lr, "grad_norm": grad_norm,
-                      **kl_window_means(window, args.kl_window),
-                      "logprob_gap_mean": sums["gap"] / max(sums["tokens"], 1),
-                      "logprob_gap_max": sums["gap_max"],
-                      "completion_len_mean": sums["tokens"] / args.prompts_per_step,
-                      "time_sample": t1 - t0, "time_train": t2 - t1, "time_push": t3 - t2,
-                      "tokens_per_second": sums["tokens"] / (t3 - t0)}
-            if RANK == 0:
-                rollouts = rollout_records(
-                    args, step, indices, mine, completions, stats.kl, tokenizer)
-                log_step(args, record, rollouts, tracker)
-
-            # ---- checkpoint (the last step writes final/ instead)
-            due = args.save_every and (step + 1) % args.save_every == 0
-            if RANK == 0 and due and step + 1 < args.max_steps:
-                state = {"step": step + 1, "optimizer": optimizer.state_dict(),
-                         "kl_window": list(window)}
-                save_run_state(out_dir, model, lora_params, ema, args, state)
-                print(f"checkpoint-{step + 1}; to resume: {resume_command(run['argv'])}",
-                      flush=True)
-
-        # ---- the end; no rank waits for it, which a slow disk or wandb could time out
-        if RANK == 0:
-            save_run_state(out_dir, model, lora_params, ema, args)
-            print(f"final adapter -> {out_dir / 'final'}", flush=True)
-            if tracker:
-                tracker.finish()
-        stop_engine(llm)
+    # ---- the end; no rank waits for it, which a slow disk or wandb could time out
+    if RANK == 0:
+        save_run_state(out_dir, model, lora_params, ema, args)
+        print(f"final adapter -> {out_dir / 'final'}", flush=True)
+        if tracker:
+            tracker.finish()
+    stop_engine(llm)
 
 
 def choose_attention_kernels():
@@ -859,8 +865,8 @@ def choose_attention_kernels():
 
 
 # The engine in this process, to take the weights' generator; no TF32 (the read-back)
-PUSH_ENVIRONMENT = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0",
-                    "VLLM_FLOAT32_MATMUL_PRECISION": "highest"}
+PUSH_ENVIRONMENT = {
+    "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_FLOAT32_MATMUL_PRECISION": "highest"}
 
 
 def init_distributed(args):
@@ -906,12 +912,11 @@ def load_rows(dataset, split, problem_column, context_column, data_select="all")
     """[(problem, context)]; `context_column` a,b joins two columns' texts."""
     import datasets
     datasets.disable_progress_bars()
-    datasets.logging.set_verbosity(datasets.logging.CRITICAL)  # its errors come here
-    suffix = Path(dataset).suffix.lower()
+    datasets.logging.set_verbosity(datasets.logging.CRITICAL)
+    builder = LOCAL_FORMATS.get(Path(dataset).suffix.lower())
     try:
-        if suffix in LOCAL_FORMATS:
-            table = datasets.load_dataset(
-                LOCAL_FORMATS[suffix], data_files=dataset, split="train")
+        if builder:
+            table = datasets.load_dataset(builder, data_files=dataset, split="train")
         else:
             table = datasets.load_dataset(dataset, split=split)
     except Exception as e:  # datasets' words, or none
@@ -948,8 +953,8 @@ def load_rows(dataset, split, problem_column, context_column, data_select="all")
 
 
 def select_hard(rows):
-    """Drop source 'math' (KL near zero); keep generated_token_count at or above the
-    median (the element at len // 2)."""
+    """The recipe's hard rows: no source 'math' (KL near zero), the longer half."""
+
     kept = [r for r in rows if r["source"] != "math"]
     if not kept:
         fail("--data-select hard: every row has source 'math': use --data-select all.")
@@ -969,8 +974,7 @@ def load_model(args, device):
     disable_dropout(model)
     problem = check_logits_path(model)
     if problem:
-        fail(f"--model {args.model} ({model.config.model_type}) is not supported: {problem}: "
-             "choose another --model.")
+        fail(f"--model {args.model} ({model.config.model_type}) is not supported: {problem}.")
     lora_params = add_lora(model, args.lora_r, args.lora_alpha, seed=args.seed)
     if args.gradient_checkpointing:
         model.gradient_checkpointing_enable(
@@ -1000,12 +1004,13 @@ def adapter_parameters(model):
 
 def save_adapter(model, out_dir, base_model_name_or_path):
     layers = lora_layers(model)
-    tensors = {name: p.detach().cpu().contiguous()
-               for name, p in adapter_parameters(model).items()}
+    tensors = {
+        name: p.detach().cpu().contiguous() for name, p in adapter_parameters(model).items()}
     first = next(iter(layers.values()))
-    config = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": first.r,
-              "lora_alpha": first.alpha, "base_model_name_or_path": str(base_model_name_or_path),
-              "target_modules": sorted({name.rsplit(".", 1)[-1] for name in layers})}
+    config = {
+        "peft_type": "LORA", "task_type": "CAUSAL_LM", "r": first.r, "lora_alpha": first.alpha,
+        "base_model_name_or_path": str(base_model_name_or_path),
+        "target_modules": sorted({name.rsplit(".", 1)[-1] for name in layers})}
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     save_file(tensors, str(out_dir / ADAPTER_WEIGHTS))
@@ -1035,8 +1040,8 @@ def save_run_state(out_dir, model, lora_params, ema, args, state=None):
     name = "final"
     if state:
         name = f"checkpoint-{state['step']}"
-    final_dir = Path(out_dir) / name
-    tmp = final_dir.with_name(f".tmp-{name}")
+    target = Path(out_dir) / name
+    tmp = target.with_name(f".tmp-{name}")
     shutil.rmtree(tmp, ignore_errors=True)
     save_adapter(model, tmp, args.model)
     if ema is not None:
@@ -1047,9 +1052,9 @@ def save_run_state(out_dir, model, lora_params, ema, args, state=None):
     # flushed before the rename, and the rename after it
     for path in [*tmp.rglob("*"), tmp]:
         flush(path)
-    shutil.rmtree(final_dir, ignore_errors=True)
-    os.rename(tmp, final_dir)
-    flush(final_dir.parent)
+    shutil.rmtree(target, ignore_errors=True)
+    os.rename(tmp, target)
+    flush(target.parent)
 
 
 def flush(path):
@@ -1097,22 +1102,24 @@ def write_atomically(path, text):
 
 def rollout_records(args, step, indices, mine, completions, kl, tokenizer):
     every = args.log_rollouts_every
-    last = step + 1 == args.max_steps
-    if not every or not (step == 0 or (step + 1) % every == 0 or last):
+    if not every or not (step == 0 or (step + 1) % every == 0 or step + 1 == args.max_steps):
         return []
     kls = kl.split([len(c) for c in completions])
-    return [{"step": step + 1, "prompt_index": indices[j], "tokens": len(c),
-             "completion": tokenizer.decode(c), "token_ids": c, "kl": token_kl.tolist(),
-             "skipped_by_loss": min(args.skip_first_tokens, len(c))}
-            for j, c, token_kl in zip(mine, completions, kls)]
+    return [
+        {"step": step + 1, "prompt_index": indices[j], "tokens": len(c),
+         "completion": tokenizer.decode(c), "token_ids": c, "kl": token_kl.tolist(),
+         "skipped_by_loss": min(args.skip_first_tokens, len(c))}
+        for j, c, token_kl in zip(mine, completions, kls)]
+
 
 
 GAP_ALARM = {"float32": 1e-4, "bfloat16": 5e-2}  # its floor on CPU kernels: 1e-6, 1e-2
-STEP_LINE = ("step {step:4d}/{max_steps} | loss {loss:.4f} | lr {lr:.2e} | grad {grad_norm:.4f}"
-             " | kl {kl_mean:.4f} >tau {kl_frac_above_tau:.1%} | len {completion_len_mean:.0f}"
-             " | entropy {entropy_student:.2f}/{entropy_teacher:.2f} neg {loss_frac_negative:.1%}"
-             " | sample {time_sample:.1f}s train {time_train:.1f}s push {time_push:.2f}s"
-             " | {tokens_per_second:.0f} tok/s | gap {logprob_gap_mean:.1e}/{logprob_gap_max:.1e}")
+STEP_LINE = (
+    "step {step:4d}/{max_steps} | loss {loss:.4f} | lr {lr:.2e} | grad {grad_norm:.4f}"
+    " | kl {kl_mean:.4f} >tau {kl_frac_above_tau:.1%} | len {completion_len_mean:.0f}"
+    " | entropy {entropy_student:.2f}/{entropy_teacher:.2f} neg {loss_frac_negative:.1%}"
+    " | sample {time_sample:.1f}s train {time_train:.1f}s push {time_push:.2f}s"
+    " | {tokens_per_second:.0f} tok/s | gap {logprob_gap_mean:.1e}/{logprob_gap_max:.1e}")
 
 
 def log_step(args, record, rollouts, tracker):
@@ -1191,8 +1198,8 @@ def run_record(args, prompts, device):
             "model_sha256": model_fingerprint(args.model), "device_type": device.type}
 
 
-CONTENTS = {"prompt_ids_sha256": "prompts", "model_sha256": "model files",
-            "device_type": "device type"}
+CONTENTS = {
+    "prompt_ids_sha256": "prompts", "model_sha256": "model files", "device_type": "device type"}
 
 
 def check_resume(args_record, out_dir):
@@ -1249,20 +1256,19 @@ def check_model(args):
     from transformers import AutoConfig, AutoModelForCausalLM
     try:
         config = AutoConfig.from_pretrained(args.model)
-    except (OSError, ValueError) as e:  # transformers' first sentence
+    except (OSError, ValueError) as e:
         fail(f"--model {args.model}: cannot load its config ({str(e).splitlines()[0]}): "
              "give a model directory that exists, or a hub id (with network).")
     for field in ("final_logit_softcapping", "logit_scale", "logits_scaling"):
         if getattr(config, field, None) not in (None, 1):
-            fail(f"--model {args.model}: its config sets {field} = {getattr(config, field)}; "
-                 "the loss needs logits = final_hidden @ lm_head.weight^T: choose another --model.")
-    with torch.device("meta"):  # the modules without their weights
+            fail(f"--model {args.model}: its config sets {field} = {getattr(config, field)}, "
+                 "but the loss needs logits = final_hidden @ lm_head.weight^T.")
+    with torch.device("meta"):  # no weights
         skeleton = AutoModelForCausalLM.from_config(config)
     missing = missing_lora_targets(skeleton)
     if missing:
         fail(f"--model {args.model} ({config.model_type}): LoRA needs "
-             f"{', '.join(LORA_TARGETS)} in every decoder layer, but {missing}: choose "
-             "another --model.")
+             f"{', '.join(LORA_TARGETS)} in every decoder layer, but {missing}.")
     parameters = skeleton.num_parameters()
     if args.device == "auto" and parameters > 1e8 and not torch.cuda.is_available():
         fail(f"--device auto: torch {torch.__version__} sees no CUDA device, and --model "
@@ -1276,8 +1282,7 @@ def check_model(args):
 
 
 def missing_lora_targets(model):
-    """None, or which decoder layers (modules numbered in their names) lack which
-    LoRA targets as nn.Linear."""
+    """None, or which decoder layers (numbered modules) lack which targets as nn.Linear."""
     by_layer = {}  # layer number -> the names of its linear layers
     for name, m in model.named_modules():
         number = re.search(r"\.(\d+)\.", name)
@@ -1300,21 +1305,20 @@ def check_cuda_build():
     listed = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, timeout=60)
     if "GPU" in listed.stdout:
         fail(f"torch {torch.__version__} is a CPU build, but nvidia-smi lists a GPU: "
-             "install the GPU build in a fresh environment (python -m venv, then "
-             "pip install -r requirements.txt).")
+             "pip install -r requirements.txt in a fresh venv.")
 
 
 @torch.no_grad()
 def check_logits_path(model):
-    """None when final_hidden @ lm_head.weight^T are the model's logits on a probe,
-    else why not."""
+    """None if final_hidden @ lm_head.weight^T are the model's logits on a probe, else why."""
     W = model.get_output_embeddings().weight
     if getattr(model.get_output_embeddings(), "bias", None) is not None:
         return "its lm_head has a bias"
     positions = torch.arange(16, device=model.device)[None]  # (1, 16)
     ids = (positions + 3) % model.config.vocab_size
-    inputs = {"input_ids": ids, "attention_mask": torch.ones_like(ids),
-              "position_ids": positions}
+    inputs = {
+        "input_ids": ids, "attention_mask": torch.ones_like(ids), "position_ids": positions}
+
     model.eval()  # no dropout; the caller sets the mode it trains in
     want = model(**inputs, use_cache=False).logits.float()  # (1, 16, V)
     got = (final_hidden(model, inputs) @ W.T).float()
@@ -1336,8 +1340,8 @@ def fingerprint(weight):
 
 @torch.no_grad()
 def engine_fingerprints(model):
-    """In vLLM's worker: each linear layer's fingerprint, read through the GEMM
-    sampling uses applied to the identity (I W^T = W^T), stacked layers split."""
+    """In vLLM's worker: each linear layer's fingerprint, read by sampling's GEMM on
+    the identity (I W^T = W^T), stacked layers split."""
     from vllm.model_executor.layers.linear import LinearBase
     stacked = getattr(model, "packed_modules_mapping", {})
     prints = {}
@@ -1433,7 +1437,7 @@ def stop_cleanly(run):
         if run["args"]:
             last = latest_checkpoint(run["args"].output_dir)
         if interrupted:
-            # each checkpoint's line holds the command too, for when rank 0 cannot print
+            # each checkpoint's line holds it too, for when rank 0 cannot print
             resume = "no checkpoint yet, so nothing to resume"
             if last:
                 resume = f"the last checkpoint is {last}; continue with: "

@@ -140,8 +140,8 @@ def test_an_unreachable_hub_is_one_sentence_not_a_dozen_retries(base, tmp_path, 
     assert not (tmp_path / "out").exists()
 
 
-CPU_BUILD_ON_A_GPU = (f"torch {torch.__version__} is a CPU build, but nvidia-smi lists a GPU: install the GPU build "
-                      "in a fresh environment (python -m venv, then pip install -r requirements.txt).")
+CPU_BUILD_ON_A_GPU = (f"torch {torch.__version__} is a CPU build, but nvidia-smi lists a GPU: pip install -r "
+                      "requirements.txt in a fresh venv.")
 
 
 def fake_gpu_path(folder):

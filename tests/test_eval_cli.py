@@ -80,6 +80,6 @@ def test_a_cpu_build_of_torch_on_a_gpu_machine_is_refused_before_anything_loads(
     out, seconds = eval_py(["--model", tiny_model_dir, "--data", f"tiny={DATA}", "--output-dir", str(tmp_path / "out")],
                            PATH=f"{fake}{os.pathsep}{os.environ['PATH']}")
     assert (out.returncode, out.stderr) == (2, f"eval.py: error: torch {torch.__version__} is a CPU build, but "
-                                               "nvidia-smi lists a GPU: install the GPU build in a fresh environment "
-                                               "(python -m venv, then pip install -r requirements.txt).\n")
+                                               "nvidia-smi lists a GPU: pip install -r requirements.txt in a fresh "
+                                               "venv.\n")
     assert seconds < 15 and not (tmp_path / "out").exists()  # before the output directory, let alone an engine

@@ -164,9 +164,8 @@ def test_a_cpu_build_of_torch_on_a_gpu_machine_is_refused_before_anything_runs(n
         start = time.perf_counter()
         proc = run([str(SCRIPT), *flags, "--output", str(out)], env)
         assert (proc.returncode, proc.stderr) == (2, f"gpu_check.py: error: torch {torch.__version__} is a CPU build, "
-                                                     "but nvidia-smi lists a GPU: install the GPU build in a fresh "
-                                                     "environment (python -m venv, then pip install -r "
-                                                     "requirements.txt).\n")
+                                                     "but nvidia-smi lists a GPU: pip install -r requirements.txt "
+                                                     "in a fresh venv.\n")
         assert time.perf_counter() - start < 15 and not out.exists()  # before its output is written, let alone a model
 
 

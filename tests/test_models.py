@@ -78,7 +78,7 @@ def test_a_hybrid_model_is_refused_before_its_weights_load_naming_the_layers(tmp
     assert capsys.readouterr().err == (
         f"opsd.py: error: --model {tmp_path / 'qwen3_5'} (qwen3_5_text): LoRA needs q_proj, k_proj, v_proj, o_proj, "
         f"gate_proj, up_proj, down_proj in every decoder layer, but layers {lacking} lack q_proj, k_proj, v_proj, "
-        "o_proj: choose another --model.\n")
+        "o_proj.\n")
 
 
 def test_dropout_is_off_in_train_mode():
@@ -130,4 +130,4 @@ def test_configs_that_change_logits_are_refused_before_the_model_loads(config, f
         opsd.main(["--model", str(tmp_path / "model"), "--dataset", str(DATA), "--device", "cpu",
                    "--output-dir", str(tmp_path / "out")])
     err = capsys.readouterr().err
-    assert f"its config sets {field}; the loss needs logits = final_hidden @ lm_head.weight^T: choose another --model." in err, err
+    assert f"its config sets {field}, but the loss needs logits = final_hidden @ lm_head.weight^T." in err, err

@@ -117,8 +117,7 @@ def test_a_hybrid_models_linear_attention_layers_are_refused(tiny_model_dir, tmp
     assert not list(hybrid.glob("*.safetensors"))
     code, out, err = run(["--gpus", "1", "--", "--model", str(hybrid), "--dataset", str(DATA)], capsys)
     assert (code, err) == (2, [f"preflight.py: error: --model {hybrid} (qwen3_5): LoRA needs {TARGETS} in every "
-                               "decoder layer, but layers 0, 1, 2 lack q_proj, k_proj, v_proj, o_proj: choose another "
-                               "--model."])
+                               "decoder layer, but layers 0, 1, 2 lack q_proj, k_proj, v_proj, o_proj."])
     assert "LoRA targets: layers 0, 1, 2 lack q_proj, k_proj, v_proj, o_proj" in out
     assert "data: --dataset" in out and "budget: not estimated for a run that is refused" in out
 
