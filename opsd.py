@@ -45,9 +45,9 @@ import torch.nn as nn
 import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 
-# Helpers the method calls
+# -- Helpers the method calls
 
-# torchrun sets them; `python opsd.py` is a world of one
+# set by torchrun; `python opsd.py` is one rank
 RANK = int(os.environ.get("RANK", 0))
 WORLD_SIZE = int(os.environ.get("WORLD_SIZE", 1))
 
@@ -58,7 +58,7 @@ def print0(*args, **kwargs):
 
 
 class Refusal(Exception):
-    """A mistake the user can fix, in one sentence."""
+    """A user's mistake, in one sentence."""
 
 
 def fail(message):
@@ -66,7 +66,7 @@ def fail(message):
 
 
 def all_reduce(tensor, op=dist.ReduceOp.SUM):
-    """Sum (or `op`) over ranks, in place; a world of one keeps its tensor."""
+    """Sum (or `op`) over ranks, in place."""
     if dist.is_initialized():
         dist.all_reduce(tensor, op)
     return tensor
@@ -74,7 +74,7 @@ def all_reduce(tensor, op=dist.ReduceOp.SUM):
 
 # PART 1: THE METHOD ==========================================================
 
-# Prompts: the released recipe's strings
+# -- Prompts: the released recipe's strings
 
 INSTRUCTION = "Please reason step by step, and put your final answer within \\boxed{}."
 TRANSITION = (
@@ -94,8 +94,7 @@ def student_message(problem, prompt="recipe"):
 
 
 def teacher_message(problem, context):
-    """The problem, then the privileged context (a reference solution); without
-    one, the student's message."""
+    """The problem, then the reference solution; without one, the student's message."""
     if context is None:
         return student_message(problem)
     return (
@@ -178,15 +177,15 @@ def build_prompts(
 
 def step_indices(step, prompts_per_step, num_prompts, seed):
     """Prompt indices of step `step`: each epoch a permutation seeded by seed + epoch."""
-    indices = []
-    for position in range(step * prompts_per_step, (step + 1) * prompts_per_step):
-        epoch, i = divmod(position, num_prompts)
-        order = torch.randperm(num_prompts, generator=torch.Generator().manual_seed(seed + epoch))
-        indices.append(int(order[i]))
-    return indices
+    positions = range(step * prompts_per_step, (step + 1) * prompts_per_step)
+    orders = {}  # epoch -> its permutation, drawn once
+    for epoch in {p // num_prompts for p in positions}:
+        generator = torch.Generator().manual_seed(seed + epoch)
+        orders[epoch] = torch.randperm(num_prompts, generator=generator).tolist()
+    return [orders[p // num_prompts][p % num_prompts] for p in positions]
 
 
-# LoRA: y = W x + (alpha / r) B A x on every attention and MLP projection
+# -- LoRA: y = W x + (alpha / r) B A x on every attention and MLP projection
 
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
@@ -246,7 +245,7 @@ def merged_weights(model):
         yield f"{name}.weight", m.merged_weight()
 
 
-# Rollout: one vLLM engine per rank; weights pushed in place
+# -- Rollout: one vLLM engine per rank; weights pushed in place
 
 # vLLM on a CPU: eager; no chunked prefill (it rewinds a seeded CPU generator)
 CPU_ENGINE = {"enforce_eager": True, "enable_chunked_prefill": False}
@@ -311,11 +310,11 @@ def stop_engine(llm):
     llm.llm_engine.engine_core.shutdown()
 
 
-# The teacher's weights: the base model (LoRA off), the student's, or their EMA
+# -- The teacher's weights: the base model (LoRA off), the student's, or their EMA
 
 @contextmanager
 def lora_disabled(model):
-    """The base model, without a copy: the released recipe's fixed teacher."""
+    """The base model, no copy: the released recipe's fixed teacher."""
     layers = lora_layers(model).values()
     for m in layers:
         m.enabled = False
@@ -329,7 +328,7 @@ def lora_disabled(model):
 @contextmanager
 @torch.no_grad()
 def lora_values(lora_params, values):
-    """Run with other LoRA values (the EMA teacher's), then the student's again."""
+    """Run with the EMA teacher's LoRA values, then the student's again."""
     student = [p.detach().clone() for p in lora_params]
     for p, v in zip(lora_params, values):
         p.copy_(v)
@@ -359,7 +358,7 @@ def ema_update(ema, lora_params, decay):
     return ema
 
 
-# The loss: the batch, the divergence at a position, a micro-batch's loss (plain, then
+# -- The loss: the batch, a position's divergence, a micro-batch's loss (plain, then
 # in chunks), a step over micro-batches and ranks, the logged KL
 
 def build_batch(prompts, completions, pad_id, device):
@@ -578,7 +577,6 @@ def backward_step(
 def diagnostic_sums(stats, sampler_logprobs, tau):
     """This step's sums over all ranks, from this rank's PositionStats and vLLM's
     log-probs of its tokens."""
-
     kl = stats.kl
     gap = (stats.logprob - torch.tensor(sum(sampler_logprobs, []), device=kl.device)).abs()
     lengths = [len(lp) for lp in sampler_logprobs]
@@ -612,7 +610,7 @@ def kl_window_means(window, kl_window):
         "loss_frac_negative": w["negative"] / tokens, "kl_window_tokens": int(w["tokens"])}
 
 
-# The learning-rate schedule
+# -- The learning-rate schedule
 
 def lr_at(step, *, lr, max_steps, warmup_steps=0, min_lr=0.0):
     """Learning rate of step `step`, 0-based."""
@@ -626,7 +624,7 @@ def lr_at(step, *, lr, max_steps, warmup_steps=0, min_lr=0.0):
 
 # PART 2: THE RUN =============================================================
 
-# Config: the defaults are the released recipe's
+# -- Config: the defaults are the released recipe's
 
 def check_flags(args):
     positive = (
@@ -733,7 +731,7 @@ def parse_args(argv=None):
     return args
 
 
-# The run
+# -- The run
 
 def main(argv=None):
     run = {"argv": argv, "args": None, "step": None}  # for stop_cleanly
@@ -774,7 +772,7 @@ def train(args, run):
         push_weights(llm, model)
         with ranks_agree(device):
             check_push(llm, model)
-        print0(f"resumed from {resume_from} at step {start_step}")
+        print0(f"resumed from {resume_from}")
     tracker = None
     if RANK == 0:
         tracker = open_run(args, start_step, args_record)
@@ -847,7 +845,7 @@ def train(args, run):
             print(f"checkpoint-{step + 1}; to resume: {resume_command(run['argv'])}",
                   flush=True)
 
-    # ---- the end; no rank waits for it, which a slow disk or wandb could time out
+    # ---- the end: no rank waits here, which a slow disk or wandb could time out
     if RANK == 0:
         save_run_state(out_dir, model, lora_params, ema, args)
         print(f"final adapter -> {out_dir / 'final'}", flush=True)
@@ -864,7 +862,7 @@ def choose_attention_kernels():
     torch.backends.cuda.enable_cudnn_sdp(False)
 
 
-# The engine in this process, to take the weights' generator; no TF32 (the read-back)
+# In-process engine (to take the weights' generator); no TF32 (for the read-back)
 PUSH_ENVIRONMENT = {
     "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_FLOAT32_MATMUL_PRECISION": "highest"}
 
@@ -889,7 +887,7 @@ def init_distributed(args):
     return device
 
 
-# Data
+# -- Data
 
 def load_prompts(args):
     from transformers import AutoTokenizer
@@ -965,7 +963,7 @@ def select_hard(rows):
     return kept
 
 
-# Model, adapters and checkpoints
+# -- Model, adapters and checkpoints
 
 def load_model(args, device):
     from transformers import AutoModelForCausalLM
@@ -1063,7 +1061,7 @@ def flush(path):
     os.close(fd)
 
 
-# Logs
+# -- Logs
 
 def open_run(args, start_step, args_record):
     out_dir = Path(args.output_dir)
@@ -1145,7 +1143,7 @@ def log_step(args, record, rollouts, tracker):
 
 # PART 3: THE GUARDS ==========================================================
 
-# No run overwritten unless asked; a resume must be the same run
+# -- No run overwritten unless asked; a resume is the same run
 
 # flags a resume may change: how it runs or logs, not what it computes
 RESUMABLE_CHANGES = (
@@ -1250,7 +1248,7 @@ def model_dir(model):
     return Path(config).parent.resolve()
 
 
-# The model: logits = final hidden @ lm_head.weight^T, LoRA's targets, the device
+# -- The model: logits = final hidden @ lm_head.weight^T, LoRA's targets, device
 
 def check_model(args):
     from transformers import AutoConfig, AutoModelForCausalLM
@@ -1327,7 +1325,7 @@ def check_logits_path(model):
     return None
 
 
-# While it runs: the push read back; no update from a non-finite loss
+# -- While it runs: the push read back; no non-finite update
 
 def fingerprint(weight):
     """Exact: a weight's bits' plain, squared and position-weighted int64 sums."""
@@ -1370,7 +1368,7 @@ def check_finite(step, loss, grad_norm):
              "stopped before the update: try a lower --lr.")
 
 
-# When a run stops early: a refusal said once, a failed rank ended at once
+# -- When a run stops early: a refusal said once, a failed rank ended at once
 
 def say(text, every_rank_has_it=False):
     """Print (rank 0 alone if every rank has it), and leave it for torchrun's report."""
