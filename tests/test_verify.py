@@ -470,7 +470,7 @@ FIELD_FORMS = [  # (port, setting, clip, what it dumps, the cause, the k the not
     (TopK("teacher", 20, False), "forward-T1.1", "entry", ("logprobs", "divergence"), "top-k:teacher:renormalised",
      20),
     (TopK("teacher", 3, True), "reverse-T1.0", "token", ("divergence",), "top-k:teacher:tail", 3),
-    (SampledToken(), "reverse-T1.0", "none", ("logprobs", "divergence"), "sampled-token:log-ratio", None),
+    (SampledToken(), "reverse-T1.0", "none", ("logprobs", "divergence"), "sampled-token:estimate", None),
     (SampledToken(term=True), "forward-T1.1", "entry", ("divergence",), "sampled-token:term", None),
 ]
 

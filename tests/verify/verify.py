@@ -11,8 +11,10 @@ that ran matches, 1 otherwise. Only torch, transformers and safetensors are need
 """
 
 import argparse
+import copy
 import hashlib
 import json
+import math
 import sys
 from pathlib import Path
 from typing import NamedTuple
@@ -92,9 +94,8 @@ def divergence(log_s, log_t, *, beta, clip, tau):
     return k.clamp(max=tau) if clip == "token" else k
 
 
-# What the field also computes (recognised where a divergence differs): the divergence over one side's top k
-# entries, renormalised over them or with one more entry for the rest of each side's mass; and a sampled-token
-# estimate, one value from the answer token y alone.
+# What the field also computes: the divergence over one side's top k entries, renormalised over them or with one
+# more entry for the rest of each side's mass; and one value from the sampled answer token y alone.
 
 def top_k_log_probs(log_s, log_t, k, tail, order):
     """Both sides' (..., k) log-probs on the top k entries of one side, renormalised over them (tail False) or
@@ -111,19 +112,49 @@ def top_k_log_probs(log_s, log_t, k, tail, order):
     return out
 
 
-def sampled_token(log_s, log_t, tokens, *, beta, clip, tau, form):
-    """(L,) one value per position from the sampled token y = tokens alone: form "term", the divergence's own
-    term d_y; "log-ratio", log p_S(y) - log p_T(y) (the one-sample estimate of the reverse KL). A clip (entry or
-    token: one entry, so the same) bounds it at tau."""
-    y = torch.as_tensor(tokens)[:, None]
-    if form == "term":
-        value = divergence_terms(log_s, log_t, beta).gather(-1, y)[:, 0]
+# The values a peer can take from the sampled token y alone, a = log p_S(y) and b = log p_T(y) (y drawn from the
+# student). Their kind: a divergence's term, an estimator of a divergence, or a policy-gradient surrogate.
+SAMPLED_FORMS = {
+    "term": ("a divergence's term", "the divergence's own term at y, d_y"),
+    "estimate": ("an estimator", "the one-sample estimate of the divergence, d_y / p_S(y) (at beta 1, "
+                                 "log p_S(y) - log p_T(y))"),
+    "k2": ("an estimator", "(log p_S(y) - log p_T(y))^2 / 2, an estimate of the reverse KL"),
+    "k3": ("an estimator", "p_T(y) / p_S(y) - 1 - log(p_T(y) / p_S(y)), an estimate of the reverse KL"),
+    "surrogate": ("a policy-gradient surrogate", "-(log p_T(y) - log p_S(y)) log p_S(y), the advantage "
+                                                 "log p_T(y) - log p_S(y) held fixed: its gradient is the sampled "
+                                                 "estimate of the reverse KL's, its value no divergence"),
+}
+
+
+def sampled_value(a, b, form, beta, clamp=False):
+    """(N,) one value per position from a = log p_S(y), b = log p_T(y) (SAMPLED_FORMS). The divergence's halves,
+    for "term" and "estimate" (their sum; one half at beta 0 or 1):
+      term:      beta p_T(y) (b - log m(y))  and  (1 - beta) p_S(y) (a - log m(y)),  m = beta p_T + (1 - beta) p_S
+      estimate:  the same divided by p_S(y)
+    (beta 0: p_T(y) (b - a); beta 1: p_S(y) (a - b); the generalized JSD vanishes as beta goes to 0 or 1, so the
+    ends are the KLs themselves). clamp: each half bounded below at 0."""
+    if form == "k2":
+        return 0.5 * (a - b) ** 2
+    if form == "k3":
+        return torch.expm1(b - a) - (b - a)
+    if form == "surrogate":
+        return (a - b) * a
+    weight_t, weight_s = b.exp(), a.exp()
+    if form == "estimate":
+        weight_t, weight_s = (b - a).exp(), torch.ones_like(a)
+    if beta == 0.0:
+        halves = [weight_t * (b - a)]
+    elif beta == 1.0:
+        halves = [weight_s * (a - b)]
     else:
-        value = (log_s.gather(-1, y) - log_t.gather(-1, y))[:, 0]
-    return value if clip == "none" else value.clamp(max=tau)
+        log_m = torch.log(beta * b.exp() + (1.0 - beta) * a.exp())
+        halves = [beta * weight_t * (b - log_m), (1.0 - beta) * weight_s * (a - log_m)]
+    if clamp:
+        halves = [h.clamp(min=0.0) for h in halves]
+    return sum(halves)
 
 
-NORMALISATIONS = ("step", "micro-batch", "answer")
+NORMALISATIONS = ("step", "micro-batch", "answer", "row", "sum")
 
 
 def normalised(values, how, micro_batch_size, skip=0, count_skipped=False):
@@ -131,11 +162,17 @@ def normalised(values, how, micro_batch_size, skip=0, count_skipped=False):
       step:         their sum over the whole step / their number (opsd's)
       micro-batch:  the mean over micro-batches (consecutive rows) of each one's sum / its number
       answer:       the mean over answers of each answer's sum / its number
+      row:          the mean over answers of each answer's sum (the step's sum / the number of answers)
+      sum:          the step's sum
     count_skipped: the step's sum over j >= skip divided by every position's number."""
     kept = [v[skip:] for v in values]
     if how == "step":
         count = sum(len(v) for v in (values if count_skipped else kept))
         return float(sum(v.sum() for v in kept) / max(count, 1))
+    if how == "sum":
+        return float(sum(v.sum() for v in kept))
+    if how == "row":
+        return float(sum(v.sum() for v in kept) / len(kept))
     if how == "answer":
         means = [v.mean() for v in kept if len(v)]
         return float(sum(means) / len(means))
@@ -175,6 +212,22 @@ class Reference:
             raise SystemExit(f"verify.py: {fixture['model']} is not the model fixture.json was made from.")
         return cls(fixture["rows"], model_dir, fixture["micro_batch_size"], fixture)
 
+    def with_prompts(self, prompts):
+        """This reference with some rows' prompts replaced (prompts: {side: {row: ids}}), their logits recomputed:
+        the peer's own prompts, so that what else differs can be told."""
+        if not any(prompts.values()):
+            return self
+        other = copy.copy(self)
+        other.rows = [dict(r) for r in self.rows]
+        other.logits = {side: list(x) for side, x in self.logits.items()}
+        other.padded = {}
+        for side, changed in prompts.items():
+            for row, ids in changed.items():
+                other.rows[row][f"{side}_prompt_ids"] = ids
+                other.logits[side][row] = row_logits(self.model, ids, self.rows[row]["completion_ids"])
+        other.prompt_lengths = {side: [len(r[f"{side}_prompt_ids"]) for r in other.rows] for side in SIDES}
+        return other
+
     def shorter(self, side, size):
         """The rows whose prompt on `side` is shorter than their micro-batch's longest."""
         return {r for r, gap in enumerate(pads_after(self.prompt_lengths[side], size)) if gap}
@@ -210,6 +263,381 @@ class Reference:
                 log_s, log_t = log_t, log_s
             out.append(divergence(log_s, log_t, beta=beta, clip=clip, tau=tau))
         return out
+
+
+# -----------------------------------------------------------------------------
+# Identification: the configuration whose values explain a peer's numbers
+
+class Config(NamedTuple):
+    """What a peer computes at each answer position: each side's temperature, the divergence (beta: 0 the
+    forward KL, 1 the reverse, between the generalized JSD), the clip ("none", "entry", "token") at tau, and the
+    support the value is taken over: "full" (the whole vocabulary), "top-k" (the top k entries of side `by`,
+    renormalised over them or with a tail entry for the rest) or "sampled-token" (the answer token alone, a form
+    of SAMPLED_FORMS, its halves clamped at >= 0 or not)."""
+    student_t: float
+    teacher_t: float
+    beta: float
+    clip: str
+    tau: float
+    support: str = "full"
+    by: str = "student"
+    k: int = 0
+    tail: bool = False
+    form: str = "term"
+    clamp: bool = False
+
+
+def parse_support(text):
+    """Config fields of a declared support: "full", "top-k:SIDE:K" (":tail" after it: a tail entry), or
+    "sampled-token:FORM" (":clamped" after it: each half clamped at >= 0); None if it is none of these."""
+    parts = text.split(":")
+    if parts == ["full"]:
+        return {"support": "full"}
+    if parts[0] == "top-k" and len(parts) in (3, 4) and parts[1] in SIDES and parts[2].isdigit() \
+            and int(parts[2]) > 0 and parts[3:] in ([], ["tail"]):
+        return {"support": "top-k", "by": parts[1], "k": int(parts[2]), "tail": parts[3:] == ["tail"]}
+    if parts[0] == "sampled-token" and len(parts) in (2, 3) and parts[1] in SAMPLED_FORMS \
+            and parts[2:] in ([], ["clamped"]):
+        return {"support": "sampled-token", "form": parts[1], "clamp": parts[2:] == ["clamped"]}
+    return None
+
+
+def uses_beta(c):
+    return c.support != "sampled-token" or c.form in ("term", "estimate")
+
+
+def kind_of(c):
+    if c.support == "sampled-token":
+        return SAMPLED_FORMS[c.form][0]
+    return "a divergence"
+
+
+def describe(c):
+    """The configuration in words."""
+    if c.support == "sampled-token" and not uses_beta(c):
+        what = SAMPLED_FORMS[c.form][1]
+    else:
+        what = {0.0: "forward KL (beta 0)", 1.0: "reverse KL (beta 1)"}.get(c.beta, f"generalized JSD (beta "
+                                                                                     f"{c.beta:.4g})")
+        if c.support == "full":
+            what += " over the whole vocabulary"
+        elif c.support == "top-k":
+            what += f" over the {c.by}'s top {c.k} entries, " + (
+                "with a tail entry for the rest" if c.tail else "renormalised over them")
+        else:
+            what += f" at the sampled token alone, {SAMPLED_FORMS[c.form][1]}"
+    if c.support == "sampled-token" and c.clamp:
+        what += ", each half clamped at >= 0"
+    clip = {"none": "no clip", "entry": f"each entry clipped at tau {c.tau:.4g}",
+            "token": f"the position's value clipped at tau {c.tau:.4g}"}[c.clip]
+    if c.support == "sampled-token" and c.clip != "none":
+        clip = f"clipped at tau {c.tau:.4g}"
+    temps = f"T {c.student_t:.4g}"
+    if not same(c.student_t, c.teacher_t):
+        temps = f"T {c.student_t:.4g} (student) and {c.teacher_t:.4g} (teacher)"
+    return f"{what}, {clip}, {temps}"
+
+
+def same(a, b, rel=1e-3):
+    return abs(a - b) <= rel * max(abs(a), abs(b), 1e-12)
+
+
+def differences(found, declared, k_note=None):
+    """[(cause, note)]: how `found` departs from the declared configuration."""
+    out = []
+    moved = [side for side in SIDES if not same(getattr(found, f"{side}_t"), getattr(declared, f"{side}_t"))]
+    if len(moved) == 2 and same(found.student_t, found.teacher_t):
+        out.append(("temperature:both", f"T {found.student_t:.4g} on both sides, {declared.student_t:g} declared"))
+    else:
+        out += [(f"temperature:{side}", f"T {getattr(found, f'{side}_t'):.4g}, {getattr(declared, f'{side}_t'):g} "
+                 "declared") for side in moved]
+    structure = ("support", "by", "k", "tail", "form")
+    if found.support == "top-k" and any(getattr(found, f) != getattr(declared, f) for f in structure):
+        out.append((f"top-k:{found.by}:{'tail' if found.tail else 'renormalised'}", k_note or f"k = {found.k}"))
+    elif found.support == "sampled-token" and any(getattr(found, f) != getattr(declared, f) for f in structure):
+        out.append((f"sampled-token:{found.form}", kind_of(found)))
+    elif found.support == "full" and declared.support != "full":
+        out.append(("support:full", None))
+    if found.support == "sampled-token" and found.clamp != declared.clamp:
+        out.append(("clamp:halves" if found.clamp else "clamp:none", None))
+    if uses_beta(found) and not same(found.beta, declared.beta, 1e-6) and abs(found.beta - declared.beta) > 1e-3:
+        note = f"beta {found.beta:.4g}, {declared.beta:g} declared"
+        if declared.beta in (0.0, 1.0) and found.beta == 1.0 - declared.beta:
+            note += ": the student and the teacher exchanged"
+        out.append(("beta", note))
+    if found.clip != declared.clip:
+        out.append((f"clip:{found.clip}", None))
+    elif found.clip != "none" and not same(found.tau, declared.tau):
+        out.append(("tau", f"tau {found.tau:.4g}, {declared.tau:g} declared"))
+    return out
+
+
+class Numbers:
+    """One side's numbers at the step's positions, rows concatenated: raw logits (N, V) whose temperature is a
+    parameter, log-probs (N, V) as they are, or the sampled token's log-prob alone (N,)."""
+
+    def __init__(self, logits=None, logprobs=None, token=None):
+        self.logits, self.logprobs, self.token = logits, logprobs, token
+        self.cache = {}  # {temperature: log-probs}
+        self.ranks = None
+
+    @property
+    def free(self):  # whether the temperature is a parameter of these numbers
+        return self.logits is not None
+
+    @property
+    def full(self):
+        return self.logits is not None or self.logprobs is not None
+
+    def at(self, index):
+        """These numbers at some positions only."""
+        pick = [None if x is None else x[index] for x in (self.logits, self.logprobs, self.token)]
+        return Numbers(*pick)
+
+    def log_probs(self, temperature):
+        if self.logprobs is not None:
+            return self.logprobs
+        if temperature not in self.cache:
+            if len(self.cache) > 16:
+                self.cache.clear()
+            self.cache[temperature] = torch.log_softmax(self.logits / temperature, -1)
+        return self.cache[temperature]
+
+    def of_token(self, temperature, y):
+        if self.token is not None:
+            return self.token
+        return self.log_probs(temperature).gather(-1, y[:, None])[:, 0]
+
+    def order(self):
+        """(N, V) the entries by rank, largest first (whatever the temperature)."""
+        if self.ranks is None:
+            x = self.logprobs if self.logprobs is not None else self.logits
+            self.ranks = x.sort(dim=-1, descending=True, stable=True).indices
+        return self.ranks
+
+
+def config_values(c, student, teacher, y, peer=None, tie=0.0):
+    """(N,) each position's value under configuration c, from both sides' Numbers and the sampled tokens y.
+    A top k whose k-th and (k + 1)-th log-probs lie within `tie`: the peer's choice, the nearer to `peer`."""
+    if c.support == "sampled-token":
+        value = sampled_value(student.of_token(c.student_t, y), teacher.of_token(c.teacher_t, y), c.form, c.beta,
+                              c.clamp)
+        if c.clip != "none":
+            value = value.clamp(max=c.tau)
+        return value
+    log_s, log_t = student.log_probs(c.student_t), teacher.log_probs(c.teacher_t)
+    if c.support == "full":
+        return divergence(log_s, log_t, beta=c.beta, clip=c.clip, tau=c.tau)
+    side = student if c.by == "student" else teacher
+    order = side.order()
+    d = divergence(*top_k_log_probs(log_s, log_t, c.k, c.tail, order), beta=c.beta, clip=c.clip, tau=c.tau)
+    if tie and peer is not None and c.k < order.shape[-1]:
+        by = log_s if c.by == "student" else log_t
+        ranked = by.gather(-1, order[:, c.k - 1:c.k + 1])
+        tied = (ranked[:, 0] - ranked[:, 1]).abs() <= tie
+        if tied.any():  # the k-th and (k + 1)-th exchanged: the peer's top k may hold either
+            swapped = order[tied].clone()
+            swapped[:, [c.k - 1, c.k]] = swapped[:, [c.k, c.k - 1]]
+            other = divergence(*top_k_log_probs(log_s[tied], log_t[tied], c.k, c.tail, swapped), beta=c.beta,
+                               clip=c.clip, tau=c.tau)
+            d[tied] = torch.where((peer[tied] - other).abs() < (peer[tied] - d[tied]).abs(), other, d[tied])
+    return d
+
+
+def minimise(f, low, high, log=False, points=10, steps=22):
+    """The x in [low, high] where f(x) is least: the best of a grid of `points`, then a golden-section search
+    between its neighbours (in log x when `log`)."""
+    to, back = (math.log, math.exp) if log else (float, float)
+    grid = [to(low) + (to(high) - to(low)) * i / (points - 1) for i in range(points)]
+    scores = [f(back(x)) for x in grid]
+    best = min(range(points), key=scores.__getitem__)
+    a, b = grid[max(best - 1, 0)], grid[min(best + 1, points - 1)]
+    golden = (math.sqrt(5.0) - 1.0) / 2.0
+    c, d = b - golden * (b - a), a + golden * (b - a)
+    fc, fd = f(back(c)), f(back(d))
+    for _ in range(steps):
+        if fc <= fd:
+            b, d, fd = d, c, fc
+            c = b - golden * (b - a)
+            fc = f(back(c))
+        else:
+            a, c, fc = c, d, fd
+            d = a + golden * (b - a)
+            fd = f(back(d))
+    x, fx = (c, fc) if fc <= fd else (d, fd)
+    return back(x) if fx <= scores[best] else back(grid[best])
+
+
+TEMPERATURES = (0.2, 5.0)  # the range a temperature is fitted in
+TAUS = (1e-4, 20.0)  # and a clip's tau
+TOP_K_GRID = (1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 20, 25, 32, 50, 64, 100, 128, 200, 256, 400)
+FIT_POSITIONS = 160  # the continuous parameters are searched on this many positions, then checked on all
+
+
+def close(a, b):
+    return (a - b).abs() <= TOL_DIVERGENCE[0] + TOL_DIVERGENCE[1] * b.abs()
+
+
+class Fit:
+    """Fitting configurations to a peer's per-position values `peer` (N,), at the positions `kept` (N,) bool,
+    from both sides' Numbers and the sampled tokens y: the declared configuration first, then every support,
+    clip and sampled-token form, each with its free parameters (the temperatures where the numbers are logits,
+    beta, tau, k) searched."""
+
+    def __init__(self, student, teacher, y, peer, kept, declared, tie=0.0):
+        self.student, self.teacher, self.y, self.peer, self.kept = student, teacher, y, peer, kept
+        self.declared, self.tie = declared, tie
+        self.total = int(kept.sum())
+        index = kept.nonzero()[:, 0]
+        index = index[torch.linspace(0, len(index) - 1, min(FIT_POSITIONS, len(index))).round().long()]
+        self.search = (student.at(index), teacher.at(index), y[index], peer[index])
+
+    def values(self, c, on_search=False):
+        student, teacher, y, peer = self.search if on_search else (self.student, self.teacher, self.y, self.peer)
+        return config_values(c, student, teacher, y, peer, self.tie)
+
+    def count(self, c):
+        return int((close(self.peer, self.values(c)) & self.kept).sum())
+
+    def score(self, c):
+        """The distance searched on: the sum of the absolute differences at the search positions (its basin is
+        wide, so a grid finds it; its least is where every position matches)."""
+        return float((self.search[3] - self.values(c, on_search=True)).abs().sum())
+
+    def free(self, c):
+        names = [f"{side}_t" for side, x in zip(SIDES, (self.student, self.teacher)) if x.free]
+        if uses_beta(c):
+            names.append("beta")
+        if c.clip != "none":
+            names.append("tau")
+        return names
+
+    def move(self, c, name):
+        """c with the parameter `name` where the score is least."""
+        def at(x):
+            return self.score(c._replace(**{name: x}))
+        if name == "beta":  # the ends are the KLs, not the JSD's limits: tried apart
+            inside = minimise(at, 1e-3, 1.0 - 1e-3)
+            return c._replace(beta=min((0.0, 1.0, inside), key=at))
+        if name == "tau":
+            return c._replace(tau=minimise(at, *TAUS, log=True))
+        return c._replace(**{name: minimise(at, *TEMPERATURES, log=True)})
+
+    def count_on_search(self, c):
+        return int(close(self.search[3], self.values(c, on_search=True)).sum())
+
+    def top_k(self, c):
+        """c with the k that matches the most search positions (the smallest of those)."""
+        V = self.student.order().shape[-1] if self.student.full else 0
+        grid = [k for k in TOP_K_GRID if k < V]
+        return c._replace(k=max(grid, key=lambda k: (self.count_on_search(c._replace(k=k)), -k)))
+
+    def k_note(self, c):
+        """The range of k that match as many positions as c's k, in words."""
+        V = self.student.order().shape[-1]
+        top = self.count(c)
+
+        def edge(direction):  # the last k from c's towards `direction` (+1 or -1) that matches `top` positions
+            inside, step = c.k, 1
+            while 1 <= inside + step * direction < V and self.count(c._replace(k=inside + step * direction)) == top:
+                inside += step * direction
+                step *= 2
+            outside = min(max(inside + step * direction, 0), V)
+            while abs(outside - inside) > 1:
+                middle = (inside + outside) // 2
+                if self.count(c._replace(k=middle)) == top:
+                    inside = middle
+                else:
+                    outside = middle
+            return inside
+
+        low, high = edge(-1), edge(1)
+        if low == high:
+            return f"k = {c.k}"
+        return f"k from {low} to {high}: these rows tell them apart no further"
+
+    def fitted(self, c, free):
+        """c with the parameters `free` fitted (and a top k's k), then put back to the declared values wherever
+        those match as many positions. Each parameter in turn, twice, from the declared values; if that
+        leaves positions unmatched and both temperatures are free, again from the best point of a grid of the
+        two together (their valley can run across both)."""
+        if c.support == "top-k":
+            c = self.top_k(c)
+        starts = [c]
+        if "student_t" in free and "teacher_t" in free:
+            grid = [TEMPERATURES[0] * (TEMPERATURES[1] / TEMPERATURES[0]) ** (i / 24) for i in range(25)]
+            pairs = [(s, t) for s in grid for t in grid]
+            s, t = min(pairs, key=lambda p: self.score(c._replace(student_t=p[0], teacher_t=p[1])))
+            starts.append(c._replace(student_t=s, teacher_t=t))
+        best = None
+        for start in starts:
+            c = start
+            for _ in range(2):
+                if self.count(c) == self.total:
+                    break
+                for name in free:
+                    c = self.move(c, name)
+                if c.support == "top-k":
+                    c = self.top_k(c)
+            if best is None or self.count(c) > self.count(best):
+                best = c
+            if self.count(best) == self.total:
+                break
+        c, n = best, self.count(best)
+        for name in free:
+            back = c._replace(**{name: getattr(self.declared, name)})
+            if self.count(back) >= n:
+                c = back
+        return c
+
+    def structures(self):
+        """Config fields of every structure tried, the declared one first."""
+        d = self.declared
+        out = [{"support": d.support, "by": d.by, "k": d.k, "tail": d.tail, "form": d.form, "clamp": d.clamp,
+                "clip": d.clip}]
+        if self.student.full and self.teacher.full:
+            out += [{"support": "full", "clip": clip} for clip in CLIPS]
+            out += [{"support": "top-k", "by": by, "tail": tail, "clip": d.clip} for by in SIDES
+                    for tail in (False, True)]
+        for form in SAMPLED_FORMS:
+            for clamp in ((False, True) if form in ("term", "estimate") else (False,)):
+                for clip in dict.fromkeys((d.clip, "none")):
+                    out.append({"support": "sampled-token", "form": form, "clamp": clamp, "clip": clip})
+        return out
+
+    def identify(self):
+        """[(positions matched, configuration, the top k's note)], the best first: the most positions matched,
+        then the fewest differences from the declared configuration. The declared structure first, then every
+        other, each with beta and tau fitted; then, if none matched every position and the numbers are logits,
+        again with the temperatures fitted too. The first that matches every position ends the search."""
+        found = []
+        temperatures = ("student_t", "teacher_t")
+        for fit_temperatures in (False, True):
+            if fit_temperatures and not (self.student.free or self.teacher.free):
+                break
+            for fields in self.structures():
+                c = self.declared._replace(**fields)
+                if c.support == "top-k" and c.k == 0:
+                    c = c._replace(k=1)
+                c = self.fitted(c, [n for n in self.free(c) if fit_temperatures or n not in temperatures])
+                found.append((self.count(c), c))
+                if found[-1][0] == self.total:
+                    break
+            if found[-1][0] == self.total:
+                break
+        found.sort(key=lambda f: (-f[0], len(differences(f[1], self.declared))))
+        return [(n, c, self.k_note(c) if c.support == "top-k" else None) for n, c in found[:1]] + \
+            [(n, c, None) for n, c in found[1:]]
+
+    def degenerate(self, c):
+        """Whether c's values are all within the tolerance of zero while the peer's are not: a form that matches
+        whatever lies near zero, never offered as a hint."""
+        value = self.values(c)[self.kept]
+        peer = self.peer[self.kept]
+        return bool(close(value, torch.zeros_like(value)).all()) and not bool(close(peer, torch.zeros_like(peer)).all())
+
+
+HINT_SHARE = 0.75  # a configuration that matches less than this share of positions is not offered as a hint
 
 
 # -----------------------------------------------------------------------------
@@ -270,7 +698,7 @@ def batch_problems(input_ids, attention_mask, position_ids, answer_mask, scored_
 # The peer's dump
 
 class Dump(NamedTuple):
-    setting: str
+    setting: str | None
     clip: str
     loss: float | None
     normalisation: str | None
@@ -278,23 +706,28 @@ class Dump(NamedTuple):
     rows: dict  # {row: {name: tensor}}
     batches: dict  # {(micro-batch, side): {name: tensor}}
     logits: str | None = None  # "raw" (before the temperature) or "divided" (already divided by it); None: unsaid
+    declared: dict = {}  # what the metadata declares besides: temperature, beta, tau, skip_first_tokens, support
 
 
-ROW_TENSORS = ("student_logprobs", "teacher_logprobs", "student_logits", "teacher_logits", "divergence",
-               "student_prompt_ids", "teacher_prompt_ids")
+ROW_TENSORS = ("student_logprobs", "teacher_logprobs", "student_logits", "teacher_logits", "student_token_logprobs",
+               "teacher_token_logprobs", "divergence", "student_prompt_ids", "teacher_prompt_ids")
 BATCH_TENSORS = ("input_ids", "attention_mask", "position_ids", "answer_mask", "scored_mask")
+DECLARABLE = {"temperature": float, "beta": float, "tau": float, "skip_first_tokens": int, "support": str}
 
 
-def write_dump(path, *, setting, clip, rows, loss=None, normalisation=None, micro_batch_size=None,
-               batches=None, logits=None):
+def write_dump(path, *, setting=None, clip, rows, loss=None, normalisation=None, micro_batch_size=None,
+               batches=None, logits=None, **declared):
     """Write a dump: rows {fixture row: {name: tensor}} (names in ROW_TENSORS), batches {(k, side): {name:
-    tensor}} (names in BATCH_TENSORS), the rest as text in the file's metadata."""
+    tensor}} (names in BATCH_TENSORS), the rest as text in the file's metadata; `declared`: any of DECLARABLE,
+    a setting of the peer's own (with or instead of one of the fixture's)."""
     from safetensors.torch import save_file
 
     tensors = {f"row{i}.{name}": t.contiguous() for i, named in rows.items() for name, t in named.items()}
     for (k, side), named in (batches or {}).items():
         tensors.update({f"batch{k}.{side}.{name}": t.contiguous() for name, t in named.items()})
-    meta = {"setting": setting, "clip": clip}
+    meta = {"clip": clip}
+    if setting is not None:
+        meta["setting"] = setting
     if loss is not None:
         meta["loss"] = repr(float(loss))
     if normalisation is not None:
@@ -303,6 +736,7 @@ def write_dump(path, *, setting, clip, rows, loss=None, normalisation=None, micr
         meta["micro_batch_size"] = str(micro_batch_size)
     if logits is not None:
         meta["logits"] = logits
+    meta.update({key: str(value) for key, value in declared.items()})
     save_file(tensors, str(path), metadata=meta)
 
 
@@ -312,9 +746,11 @@ def read_dump(path):
     with safe_open(str(path), framework="pt") as f:
         meta = f.metadata() or {}
         tensors = {name: f.get_tensor(name) for name in f.keys()}
-    for key in ("setting", "clip"):
-        if key not in meta:
-            raise SystemExit(f"verify.py: {path} has no '{key}' in its metadata (README.md: the dump).")
+    if "clip" not in meta:
+        raise SystemExit(f"verify.py: {path} has no 'clip' in its metadata (README.md: the dump).")
+    if "setting" not in meta and not {"temperature", "beta"} <= set(meta):
+        raise SystemExit(f"verify.py: {path} has neither a 'setting' nor a 'temperature' and a 'beta' in its "
+                         "metadata (README.md: the dump).")
     rows, batches = {}, {}
     for name, t in tensors.items():
         head, _, field = name.partition(".")
@@ -329,28 +765,44 @@ def read_dump(path):
     if meta.get("logits", "raw") not in ("raw", "divided"):
         raise SystemExit(f"verify.py: {path}: its metadata's logits is {meta['logits']!r}; say 'raw' (before the "
                          "temperature) or 'divided' (already divided by it).")
+    declared = {}
+    for key, kind in DECLARABLE.items():
+        if key in meta:
+            try:
+                declared[key] = kind(meta[key])
+            except ValueError:
+                raise SystemExit(f"verify.py: {path}: its metadata's {key} is {meta[key]!r}, not a number.")
+    if "support" in declared and parse_support(declared["support"]) is None:
+        raise SystemExit(f"verify.py: {path}: its metadata's support is {declared['support']!r}; say 'full', "
+                         f"'top-k:SIDE:K' (':tail' after it for a tail entry) or 'sampled-token:FORM' (FORM one of "
+                         f"{', '.join(SAMPLED_FORMS)}; ':clamped' after it for halves clamped at >= 0).")
     size = meta.get("micro_batch_size")
-    return Dump(meta["setting"], meta["clip"], float(meta["loss"]) if "loss" in meta else None,
-                meta.get("normalisation"), int(size) if size else None, rows, batches, meta.get("logits"))
+    return Dump(meta.get("setting"), meta["clip"], float(meta["loss"]) if "loss" in meta else None,
+                meta.get("normalisation"), int(size) if size else None, rows, batches, meta.get("logits"), declared)
 
 
 # -----------------------------------------------------------------------------
 # The checks
 
 CAUSES = {
-    "temperature:student": "the loss temperature is not applied to the student's logits (its log-probs are "
-                           "those at temperature 1)",
-    "temperature:teacher": "the loss temperature is not applied to the teacher's logits (its log-probs are "
-                           "those at temperature 1)",
-    "temperature:both": "no loss temperature on either side",
+    "temperature:student": "the student's log-probs are at another temperature than the declared one",
+    "temperature:teacher": "the teacher's log-probs are at another temperature than the declared one",
+    "temperature:both": "both sides' log-probs are at another temperature than the declared one",
+    "beta": "another divergence than the declared one (beta 0 the forward KL, 1 the reverse, between the "
+            "generalized JSD)",
     "clip:entry": "the clip bounds each vocabulary entry's term before the sum (the entry clip)",
     "clip:token": "the clip bounds the position's sum, after the sum (the token clip)",
     "clip:none": "no clip",
-    "swapped": "the student's and the teacher's roles are exchanged in the divergence",
+    "tau": "the clip bounds at another tau than the declared one",
     "normalisation:micro-batch": "the loss is the mean over micro-batches of each micro-batch's token mean, "
                                  "not the step's sum over all its answer tokens / their number",
     "normalisation:answer": "the loss is the mean over answers of each answer's token mean, not the step's "
                             "sum over all its answer tokens / their number",
+    "normalisation:row": "the loss is the mean over answers of each answer's sum (the step's sum / the number of "
+                         "answers), not the step's sum / the number of its answer tokens",
+    "normalisation:sum": "the loss is the step's sum over its answer tokens, not divided by their number",
+    "normalisation:divisor": "the loss is the step's sum over its answer tokens divided by a number other than "
+                             "theirs",
     "skip:ignored": "the first answer positions are not left out of the loss (--skip-first-tokens)",
     "skip:counted": "the left-out first positions still count in the loss's denominator",
     "pad-first:student": "the first answer position of each row whose student prompt is shorter than its "
@@ -371,11 +823,11 @@ CAUSES = {
     "shift:+1": "every position is one too late: position j is the output at answer token j itself (which "
                 "predicts token j + 1), not at the token before it",
     "shift:-1": "every position is one too early: position j is the output two tokens before answer token j",
-    "prompt:student": "the student's prompt differs from the fixture's: every position of those rows differs "
-                      "(compare your ids with each row's student_prompt_ids)",
-    "prompt:teacher": "the teacher's prompt differs from the fixture's: every position of those rows differs "
-                      "(compare your ids with each row's teacher_prompt_ids)",
-    "logits:divided": "these logits are already divided by the temperature, though the dump's metadata (or the "
+    "prompt:student": "the student's prompt differs from the fixture's (compare your ids with each row's "
+                      "student_prompt_ids)",
+    "prompt:teacher": "the teacher's prompt differs from the fixture's (compare your ids with each row's "
+                      "teacher_prompt_ids)",
+    "logits:divided": "these logits are already divided by a temperature, though the dump's metadata (or the "
                       "other side) says raw: dump both sides alike and say which in the metadata's logits",
     "top-k:student:renormalised": "the divergence is taken over the student's top k entries only, both sides' "
                                   "probabilities renormalised over them",
@@ -385,12 +837,12 @@ CAUSES = {
                                   "probabilities renormalised over them",
     "top-k:teacher:tail": "the divergence is taken over the teacher's top k entries and one more entry holding "
                           "the rest of each side's mass",
-    "sampled-token:term": "each position's value is the divergence's term at the sampled answer token alone, "
-                          "not the sum over the vocabulary",
-    "sampled-token:log-ratio": "each position's value is log p_S(y) - log p_T(y) at the sampled answer token y "
-                               "(a one-sample estimate of the reverse KL), not the divergence over the vocabulary",
+    "support:full": "the value is taken over the whole vocabulary, not over the declared support",
+    "clamp:halves": "each half of the sampled-token value is clamped at >= 0",
+    "clamp:none": "the sampled-token value's halves are not clamped, though declared so",
+    **{f"sampled-token:{form}": f"each position's value comes from the sampled answer token y alone: {text}"
+       for form, (_, text) in SAMPLED_FORMS.items()},
 }
-
 
 
 class Check(NamedTuple):
@@ -399,6 +851,7 @@ class Check(NamedTuple):
     lines: list
     causes: list  # keys of CAUSES
     notes: dict = {}  # {cause: what the numbers say of it, e.g. the k of a top-k divergence}
+    found: str | None = None  # what the check identified the peer computes, with the residual
 
 
 def span(rows):
@@ -425,7 +878,7 @@ def side_causes(kind, side):
 
 
 def diagnose(hypotheses, errors, matched, lengths, shorter):
-    """(lines, causes) explaining a comparison. hypotheses: {name: [its causes]}, the first the fixture's
+    """(lines, causes, explained) of a comparison, explained False where positions are left that nothing names. hypotheses: {name: [its causes]}, the first the fixture's
     (no cause); errors, matched: {name: {row: (L,)}}, each position's distance to the hypothesis and whether
     it lies within the tolerance; shorter: {side: rows shorter than their micro-batch's longest prompt}, of
     the side compared (or of both, for the divergence). The hypothesis matching most positions explains
@@ -439,7 +892,7 @@ def diagnose(hypotheses, errors, matched, lengths, shorter):
     total = sum(lengths[r] for r in rows)
     count = {h: sum(int(matched[h][r].sum()) for r in rows) for h in hypotheses}
     if count[asked] == total:
-        return [f"all {total} positions match (largest difference {max_error(errors[asked]):.1e})"], []
+        return [f"all {total} positions match (largest difference {max_error(errors[asked]):.1e})"], [], True
     best = max(hypotheses, key=lambda h: (count[h], h == asked))
     lines, causes = [f"{count[asked]} of {total} positions match"], []
     if best != asked:
@@ -461,7 +914,7 @@ def diagnose(hypotheses, errors, matched, lengths, shorter):
             left[r][0] = False
     drift = {r for r in rows if left[r].any()}
     if not drift:
-        return lines, causes
+        return lines, causes, True
     n = sum(int(left[r].sum()) for r in drift)
     largest = max(float(err[r][left[r]].max()) for r in drift)
     where = side_of(drift, shorter)
@@ -469,86 +922,130 @@ def diagnose(hypotheses, errors, matched, lengths, shorter):
         lines.append(f"{n} positions of {span(drift)}, every one a row with a shorter prompt than its "
                      f"micro-batch's longest, differ (by up to {largest:.1e})")
         causes += side_causes("position-ids", where)
-    elif len(shorter) == 1 and all(left[r].all() for r in drift):
+        return lines, causes, True
+    if len(shorter) == 1 and all(left[r].all() for r in drift):
         lines.append(f"every position of {span(drift)} differs (by up to {largest:.3g})")
         causes.append(f"prompt:{next(iter(shorter))}")
-    else:
-        worst = max((float(err[r][j]), r, j) for r in drift for j in range(lengths[r]) if left[r][j])
-        lines.append(f"{n} positions of {span(drift)} differ; the largest difference, {worst[0]:.3g}, at "
-                     f"row {worst[1]} position {worst[2]}")
-    return lines, causes
+        return lines, causes, True
+    worst = max((float(err[r][j]), r, j) for r in drift for j in range(lengths[r]) if left[r][j])
+    lines.append(f"{n} positions of {span(drift)} differ; the largest difference, {worst[0]:.3g}, at "
+                 f"row {worst[1]} position {worst[2]}")
+    return lines, causes, False
 
 
 def max_error(per_row):
     return max((float(e.max()) for e in per_row.values() if len(e)), default=0.0)
 
 
-def compare_side(ref, dump, side, setting, size, divided=False, inferred=False):
+def side_numbers(dump, side):
+    """(key, {row: float64 tensor}): the side's numbers in the dump, its log-probs, logits or sampled-token
+    log-probs, whichever every row holds; (None, {}) if none."""
+    for key in (f"{side}_logprobs", f"{side}_logits", f"{side}_token_logprobs"):
+        if dump.rows and all(key in t for t in dump.rows.values()):
+            return key, {r: t[key].double() for r, t in dump.rows.items()}
+    return None, {}
+
+
+def compare_side(ref, dump, side, declared, size, divided=False, inferred=False, own_prompts=False):
     """Check: the side's log-probs (or logits: raw, or already divided by the temperature when `divided`;
-    `inferred`: the form read from the numbers, the dump not saying) at every answer position, against the
-    reference's, and against what a temperature of 1, positions shifted by one, or position ids counted over
-    the pads of micro-batches of `size` rows would give."""
+    `inferred`: the form read from the numbers, the dump not saying; or the sampled token's log-probs) at every
+    answer position, against the reference's; the temperature they are at, fitted; and against what positions
+    shifted by one or position ids counted over the pads of micro-batches of `size` rows would give."""
     name = f"{side} log-probs"
-    key = next((k for k in (f"{side}_logprobs", f"{side}_logits") if all(k in t for t in dump.rows.values())),
-               None)
-    if not dump.rows or key is None:
-        return Check(name, "not checked", [f"the dump holds no {side}_logprobs (nor {side}_logits) for "
-                                           "every row"], [])
-    T = setting["temperature"]
-    logits = key.endswith("logits")
-    # [(the temperature its log-softmax is compared at, the cause when it is another's)], the asked one first.
-    # Raw logits hide the temperature; logits already divided by it show it, as log-probs do.
-    if logits and not divided:
-        temps = [(1.0, None)] + ([(T, "logits:divided")] if T != 1.0 else [])
-    else:
-        temps = [(T, None)] + ([(1.0, f"temperature:{side}")] if T != 1.0 else [])
-    hypotheses = {"the fixture": ({"temperature": temps[0][0]}, [])}  # name: (log_probs' arguments, causes)
-    for t, cause in temps:
-        for offset in (0, 1, -1):
-            label = ", ".join(filter(None, [f"temperature {t:g}" if cause else "",
-                                            f"positions shifted by {offset:+d}" if offset else ""]))
-            if label:
-                hypotheses[label] = ({"temperature": t, "offset": offset},
-                                     ([cause] if cause else []) + ([f"shift:{offset:+d}"] if offset else []))
-    hypotheses["position ids counted over the pads"] = ({"temperature": temps[0][0], "padded": size},
-                                                        [f"position-ids:{side}"])
-    errors, matched = {h: {} for h in hypotheses}, {h: {} for h in hypotheses}
-    lines = []
-    for row, tensors in sorted(dump.rows.items()):
-        x = tensors[key].double()
-        want = (ref.lengths[row], ref.logits[side][row].shape[-1]) if row < len(ref.rows) else None
-        if tuple(x.shape) != want:
-            lines.append(f"row {row}: shape {tuple(x.shape)}, the fixture's {want or 'has no such row'}")
+    key, numbers = side_numbers(dump, side)
+    if key is None:
+        return Check(name, "not checked", [f"the dump holds no {side}_logprobs (nor {side}_logits, nor "
+                                           f"{side}_token_logprobs) for every row"], [])
+    T = getattr(declared, f"{side}_t")
+    logits = key.endswith("_logits")
+    token = key.endswith("_token_logprobs")
+    raw = logits and not divided
+    expected = T  # the temperature the reference's log-softmax is compared at
+    if raw:
+        expected = 1.0  # raw logits hide the temperature
+    lines, x = [], {}
+    for row, v in sorted(numbers.items()):
+        want = None
+        if row < len(ref.rows):
+            want = (ref.lengths[row],) if token else (ref.lengths[row], ref.logits[side][row].shape[-1])
+        if tuple(v.shape) != want:
+            lines.append(f"row {row}: shape {tuple(v.shape)}, the fixture's {want or 'has no such row'}")
             continue
-        if logits:
-            x = torch.log_softmax(x, -1)
-        for h, (kw, _) in hypotheses.items():
-            e = (x - ref.log_probs(side, row, **kw)).abs().amax(-1)
-            errors[h][row], matched[h][row] = e, e <= TOL_LOGPROB
+        x[row] = torch.log_softmax(v, -1) if logits else v
     if lines:
         return Check(name, "differs", lines, [])
-    found, causes = diagnose({h: c for h, (_, c) in hypotheses.items()}, errors, matched, ref.lengths,
-                             {side: ref.shorter(side, size)})
+
+    def errors(temperature, offset=0, padded=None):
+        out = {}
+        for row, v in x.items():
+            want = ref.log_probs(side, row, temperature, offset, padded)
+            if token:
+                y = torch.tensor(ref.rows[row]["completion_ids"])
+                out[row] = (v - want.gather(-1, y[:, None])[:, 0]).abs()
+            else:
+                out[row] = (v - want).abs().amax(-1)
+        return out
+
+    def count(temperature):
+        return sum(int((e <= TOL_LOGPROB).sum()) for e in errors(temperature).values())
+
+    total = sum(ref.lengths[r] for r in x)
+    fitted = minimise(lambda t: sum(float(e.sum()) for e in errors(t).values()), *TEMPERATURES, log=True)
+    hypotheses = {"the fixture": ({"temperature": expected}, [])}  # name: (errors' arguments, causes)
+    moved = not same(fitted, expected) and count(fitted) > max(count(expected), total // 2)
+    notes = {}
+    temperatures = [(expected, None, "")]
+    if moved:
+        cause = f"temperature:{side}"
+        label = f"temperature {fitted:.4g}"
+        notes[cause] = f"T {fitted:.4g}, {expected:g} declared"
+        if raw:
+            cause, label = "logits:divided", f"logits divided by {fitted:.4g}"
+            notes[cause] = f"by {fitted:.4g}"
+        temperatures.append((fitted, cause, label))
+        hypotheses[label] = ({"temperature": fitted}, [cause])
+    for t, cause, label in temperatures:
+        for offset in (1, -1):
+            hypotheses[", ".join(filter(None, [label, f"positions shifted by {offset:+d}"]))] = (
+                {"temperature": t, "offset": offset}, ([cause] if cause else []) + [f"shift:{offset:+d}"])
+    hypotheses["position ids counted over the pads"] = ({"temperature": expected, "padded": size},
+                                                        [f"position-ids:{side}"])
+    errs = {h: errors(**kw) for h, (kw, _) in hypotheses.items()}
+    matched = {h: {r: e <= TOL_LOGPROB for r, e in errs[h].items()} for h in hypotheses}
+    found, causes, _ = diagnose({h: c for h, (_, c) in hypotheses.items()}, errs, matched, ref.lengths,
+                                {side: ref.shorter(side, size)})
     if logits:
         unit = (f"logits already divided by T = {T:g}" if divided else
                 "raw logits (before the temperature, which cannot be seen in them)") + \
             (" (read from the numbers: say which in the dump's metadata logits)" if inferred and T != 1.0 else "") + \
             ", log-softmaxed"
+    elif token:
+        unit = f"the sampled token's log-probs at temperature {T:g}"
     else:
         unit = f"log-probs at temperature {T:g}"
+    if own_prompts:
+        unit += ", against your own prompt ids"
     ok = not causes and found[0].startswith("all")
     head = f"{unit}, |delta log p| within {TOL_LOGPROB:g}: {found[0]}"
-    return Check(name, "matches" if ok else "differs", [head, *found[1:]], causes)
+    at = fitted if moved else expected
+    residual = max_error(errors(at))
+    if raw and not moved:
+        identified = f"{side}: raw logits (the temperature is not in them; the divergence shows it)"
+    else:
+        identified = f"{side}: log-probs at T {at:.4g} (fitted: {fitted:.4g}), |delta log p| up to {residual:.1e}"
+        if raw:
+            identified = f"{side}: logits divided by {at:.4g}, |delta log p| up to {residual:.1e}"
+    return Check(name, "matches" if ok else "differs", [head, *found[1:]], causes,
+                 {c: n for c, n in notes.items() if c in causes}, identified)
 
 
-def logits_form(ref, dump, setting):
-    """(divided, inferred): whether the dumped logits are already divided by the temperature, and whether that
+def logits_form(ref, dump, T):
+    """(divided, inferred): whether the dumped logits are already divided by the temperature T, and whether that
     was read from the numbers (the metadata not saying). Read from the numbers, both sides together: the form
     under which more of their positions match the reference (a tie, e.g. one side each, reads as divided: a
     peer that divides its logits by T and forgets one side)."""
     if dump.logits is not None:
         return dump.logits == "divided", False
-    T = setting["temperature"]
     sides = [s for s in SIDES if dump.rows and all(f"{s}_logits" in t and f"{s}_logprobs" not in t
                                                     for t in dump.rows.values())]
     if T == 1.0 or not sides:
@@ -565,186 +1062,134 @@ def logits_form(ref, dump, setting):
     return count[T] >= count[1.0] and count[T] > 0, True
 
 
-def close(a, b):
-    return (a - b).abs() <= TOL_DIVERGENCE[0] + TOL_DIVERGENCE[1] * b.abs()
-
-
-TOP_K_GRID = (1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 20, 25, 32, 50, 64, 100, 128, 200, 256, 400)
-
-
-def field_forms(log_s, log_t, rows, peer, count, *, beta, clip, tau, tie):
-    """{label: (causes, {row: (L,)}, note)}: what the field computes besides the divergence over the whole
-    vocabulary, from log_s, log_t: {row: (L, V)} at the loss temperature: the sampled-token estimates, and the
-    top-k divergence that matches the peer's values `peer` ({row: (L,)}) at the most positions, over either
-    side's top k, renormalised or with a tail entry (k searched over TOP_K_GRID for the best of the four, then
-    the range of k that match as many positions, by bisection). Which entries make a top k is the peer's choice
-    where that side's k-th and (k + 1)-th log-probs lie within `tie` of each other: there the candidate is the
-    nearer to the peer's value of the two top k that hold one or the other. count({row: (L,)}): how many
-    positions a candidate matches."""
-    out = {}
-    for form in ("term", "log-ratio"):
-        for c in dict.fromkeys((clip, "none")):
-            values = {r: sampled_token(log_s[r], log_t[r], rows[r]["completion_ids"], beta=beta, clip=c, tau=tau,
-                                       form=form) for r in log_s}
-            what = "the divergence's term" if form == "term" else "log p_S(y) - log p_T(y)"
-            label = f"{what} at the sampled token y alone" + (", unclipped" if c != clip else "")
-            out[label] = ([f"sampled-token:{form}"] + ([f"clip:{c}"] if c != clip else []), values, None)
-    order = sorted(log_s)
-    lengths = [len(log_s[r]) for r in order]
-    S, T = torch.cat([log_s[r] for r in order]), torch.cat([log_t[r] for r in order])
-    P = torch.cat([peer[r] for r in order])
-    V = S.shape[-1]
-    ranked = {by: x.sort(dim=-1, descending=True, stable=True) for by, x in (("student", S), ("teacher", T))}
-
-    def at(by, tail, k):
-        values, indices = ranked[by]
-        d = divergence(*top_k_log_probs(S, T, k, tail, indices), beta=beta, clip=clip, tau=tau)
-        tied = (values[:, k - 1] - values[:, k]).abs() <= tie
-        if tied.any():  # the k-th and (k + 1)-th exchanged: the peer's top k may hold either
-            swapped = indices[tied].clone()
-            swapped[:, [k - 1, k]] = swapped[:, [k, k - 1]]
-            other = divergence(*top_k_log_probs(S[tied], T[tied], k, tail, swapped), beta=beta, clip=clip, tau=tau)
-            d[tied] = torch.where((P[tied] - other).abs() < (P[tied] - d[tied]).abs(), other, d[tied])
-        return dict(zip(order, d.split(lengths)))
-
-    grid = [k for k in TOP_K_GRID if k < V]
-    counts = {(by, tail, k): count(at(by, tail, k)) for by in SIDES for tail in (False, True) for k in grid}
-    by, tail, k = max(counts, key=counts.get)
-    top = counts[(by, tail, k)]
-
-    def edge(inside, outside):  # the last k from `inside` towards `outside` that matches `top` positions
-        while abs(outside - inside) > 1:
-            middle = (inside + outside) // 2
-            inside, outside = (middle, outside) if count(at(by, tail, middle)) == top else (inside, middle)
-        return inside
-
-    low = edge(k, max([g for g in grid if g < k and counts[(by, tail, g)] < top], default=0))
-    high = edge(k, min([g for g in grid if g > k and counts[(by, tail, g)] < top], default=V))
-    note = f"k = {k}" if low == high else f"k from {low} to {high}: these rows tell them apart no further"
-    label = f"the divergence over the {by}'s top k entries, " + \
-        ("with a tail entry for the rest" if tail else "renormalised over them") + f" ({note})"
-    out[label] = ([f"top-k:{by}:{'tail' if tail else 'renormalised'}"], at(by, tail, k), note)
-    return out
-
-
-def own_log_probs(dump, setting, divided=False):
-    """{side: {row: (L, V)}} the log-probs the dump's own numbers give at the loss temperature (from logits
-    already divided by it when `divided`), or None."""
-    T = 1.0 if divided else setting["temperature"]
+def own_numbers(dump, rows, divided):
+    """{side: Numbers} of the dump's own numbers over `rows`, concatenated (raw logits keep their temperature
+    a parameter), or None if a side has none."""
     out = {}
     for side in SIDES:
-        if all(f"{side}_logprobs" in t for t in dump.rows.values()):
-            out[side] = {r: t[f"{side}_logprobs"].double() for r, t in dump.rows.items()}
-        elif all(f"{side}_logits" in t for t in dump.rows.values()):
-            out[side] = {r: torch.log_softmax(t[f"{side}_logits"].double() / T, -1) for r, t in dump.rows.items()}
-        else:
+        key, numbers = side_numbers(dump, side)
+        if key is None:
             return None
+        x = torch.cat([numbers[r] for r in rows])
+        if key.endswith("_token_logprobs"):
+            out[side] = Numbers(token=x)
+        elif key.endswith("_logits") and not divided:
+            out[side] = Numbers(logits=x)
+        elif key.endswith("_logits"):
+            out[side] = Numbers(logprobs=torch.log_softmax(x, -1))
+        else:
+            out[side] = Numbers(logprobs=x)
     return out
 
 
-def compare_divergence(ref, dump, setting, clip, size, divided=False):
-    """Check: the per-position divergence, against the fixture's; the cause from the peer's own log-probs
-    when it dumped them, else from the reference's alternatives."""
+def reference_numbers(ref, rows, offset=0, padded=(), size=None):
+    """{side: Numbers} of the reference's raw logits over `rows`, concatenated (positions shifted by `offset`;
+    `padded`: the sides whose answers sit at position ids counted over the pads of micro-batches of `size`)."""
+    out = {}
+    for side in SIDES:
+        logits = ref.logits[side] if side not in padded else ref.padded_logits(side, size)
+        out[side] = Numbers(logits=torch.cat([logits[r][1 + offset:1 + offset + ref.lengths[r]] for r in rows]))
+    return out
+
+
+def compare_divergence(ref, dump, declared, skip, size, divided=False, own_prompts=False):
+    """(Check, the peer's per-position values {row: (L,)} or None): the per-position values, against the
+    reference's under the declared configuration; what configuration explains them, fitted to the peer's own
+    log-probs when it dumped them, else to the reference's (with the positions shifted or counted over pads)."""
     name = "divergence"
     if not dump.rows or not all("divergence" in t for t in dump.rows.values()):
         return Check(name, "not checked", ["the dump holds no divergence for every row"], []), None
-    skip = setting["skip_first_tokens"]
-    figures = setting_figures(ref, setting)
     peer = {r: t["divergence"].double() for r, t in dump.rows.items()}
-    bad = [r for r in peer if peer[r].shape != (ref.lengths[r],)]
+    bad = [r for r in peer if r >= len(ref.rows) or peer[r].shape != (ref.lengths[r],)]
     if bad:
         return Check(name, "differs", [f"row {r}: {tuple(peer[r].shape)} values, the fixture's answer has "
-                                       f"{ref.lengths[r]} positions" for r in bad[:5]], []), None
-    kept = {r: slice(skip, None) for r in peer}  # the positions in the loss
-    lengths = [max(0, n - skip) for n in ref.lengths]
+                                       f"{ref.lengths[r] if r < len(ref.rows) else 'no such row'} positions"
+                                       for r in bad[:5]], []), None
+    rows = sorted(peer)
+    lengths = [ref.lengths[r] for r in rows]
+    y = torch.cat([torch.tensor(ref.rows[r]["completion_ids"]) for r in rows])
+    P = torch.cat([peer[r] for r in rows])
+    kept = torch.cat([torch.arange(n) >= skip for n in lengths])
+    total = int(kept.sum())
 
-    def compare(alternatives):
-        errors = {h: {r: (peer[r] - v[r])[kept[r]].abs() for r in peer} for h, v in alternatives.items()}
-        matched = {h: {r: close(peer[r], v[r])[kept[r]] for r in peer} for h, v in alternatives.items()}
-        return errors, matched
+    def per_row(values):
+        return dict(zip(rows, values.split(lengths)))
 
-    def matches(values):  # how many kept positions a candidate's values match
-        return sum(int(close(peer[r], values[r])[kept[r]].sum()) for r in peer)
+    def fixture_values(**kw):
+        numbers = reference_numbers(ref, rows, **kw)
+        return config_values(declared, numbers["student"], numbers["teacher"], y, P, TOL_LOGPROB)
 
-    beta, T, tau = setting["beta"], setting["temperature"], setting["tau"]
-    asked = {r: figures[clip][r] for r in peer}
-    errors, matched = compare({"the fixture": asked})
-    total = sum(lengths[r] for r in peer)
-    n = sum(int(m.sum()) for m in matched["the fixture"].values())
-    head = f"clip {clip!r}, beta {beta:g}, temperature {T:g}, tau {tau:g}: {n} of {total} positions " \
-           f"within {TOL_DIVERGENCE[0]:g} + {TOL_DIVERGENCE[1]:g} x |value| of the fixture's"
+    asked = fixture_values()
+    n = int((close(P, asked) & kept).sum())
+    against = "the reference's (with your prompt ids)" if own_prompts else "the fixture's"
+    head = f"{describe(declared)}: {n} of {total} positions within {TOL_DIVERGENCE[0]:g} + " \
+           f"{TOL_DIVERGENCE[1]:g} x |value| of {against}"
     if skip:
         head += f" (positions {skip} on; the first {skip} are left out of the loss)"
+    largest = float(((P - asked).abs() * kept).max())
     if n == total:
-        return Check(name, "matches", [head + f" (largest difference {max_error(errors['the fixture']):.1e})"],
-                     []), peer
-    own = own_log_probs(dump, setting, divided)
+        return Check(name, "matches", [head + f" (largest difference {largest:.1e})"], [],
+                     found=f"the value: {kind_of(declared)}, {describe(declared)} (as declared), all {total} "
+                           f"positions within tolerance (largest difference {largest:.1e})"), peer
+    own = own_numbers(dump, rows, divided)
     if own is not None:
-        # the peer's own log-probs, each clip, and the roles swapped: what did it compute from them?
-        alternatives = {}
-        for c in (clip, *[c for c in CLIPS if c != clip]):
-            alternatives[f"the clip {c!r} of your log-probs"] = (
-                {r: divergence(own["student"][r], own["teacher"][r], beta=beta, clip=c, tau=tau) for r in peer},
-                [] if c == clip else [f"clip:{c}"])
-        alternatives["the divergence of your log-probs with the roles swapped"] = (
-            {r: divergence(own["teacher"][r], own["student"][r], beta=beta, clip=clip, tau=tau) for r in peer},
-            ["swapped"])
-        errors, matched = compare({h: v for h, (v, _) in alternatives.items()})
-        count = {h: sum(int(m.sum()) for m in matched[h].values()) for h in alternatives}
-        best = max(alternatives, key=lambda h: (count[h], h.startswith(f"the clip {clip!r}")))
-        lines, notes = [head], {}
-        if count[best] < total:  # what the field computes besides: a top-k divergence, a sampled-token estimate
-            forms = field_forms(own["student"], own["teacher"], ref.rows, peer, matches, beta=beta, clip=clip,
-                                tau=tau, tie=0.0)  # a tie in the peer's own numbers is exact
-            for label, (causes, values, note) in forms.items():
-                alternatives[f"{label}, from your log-probs"] = (values, causes)
-                count[f"{label}, from your log-probs"] = matches(values)
-                if note:
-                    notes.update({c: note for c in causes})
-            best = max(alternatives, key=lambda h: (count[h], h.startswith(f"the clip {clip!r}")))
-        if count[best] == total:
-            causes = alternatives[best][1]
-            lines.append(f"every position equals {best}: " + (
-                "computed as asked from your log-probs, so the differences come from the log-probs (above)"
-                if not causes else CAUSES[causes[0]]))
-            return Check(name, "differs", lines, causes, {c: n for c, n in notes.items() if c in causes}), peer
-        lines.append(f"your divergence is none of the clips of your own log-probs, nor a top-k divergence or a "
-                     f"sampled-token estimate of them ({count[best]} of {total} positions match {best})")
-        return Check(name, "differs", lines, []), peer
-    # no log-probs: the reference's alternatives
-    hyps = {"the fixture": (asked, [])}
-    for c in CLIPS:
-        if c != clip:
-            hyps[f"clip {c!r}"] = (figures[c], [f"clip:{c}"])
-    if T != 1.0:
-        for label, kw, cause in (("the student at temperature 1", {"student_t": 1.0}, "temperature:student"),
-                                 ("the teacher at temperature 1", {"teacher_t": 1.0}, "temperature:teacher"),
-                                 ("both at temperature 1", {"temperature": 1.0}, "temperature:both")):
-            hyps[label] = (ref.divergences(**{"beta": beta, "temperature": T, "clip": clip, "tau": tau, **kw}),
-                           [cause])
-    if beta != 0.5:
-        hyps["the roles swapped"] = (ref.divergences(beta=beta, temperature=T, clip=clip, tau=tau,
-                                                     swapped=True), ["swapped"])
+        fit = Fit(own["student"], own["teacher"], y, P, kept, declared)
+        count, c, note = fit.identify()[0]
+        numbers = "log-probs" if own["student"].full and own["teacher"].full else "sampled-token log-probs"
+        if count == total:
+            causes = differences(c, declared, note)
+            largest = float(((P - fit.values(c)).abs() * kept).max())
+            said = "computed as asked from your log-probs, so the differences come from the log-probs (above)"
+            if causes:
+                said = "; ".join(CAUSES[cause] + (f" ({text})" if text else "") for cause, text in causes)
+            lines = [head, f"every position equals {describe(c)}, from your {numbers}: {said}"]
+            return Check(name, "differs", lines, [cause for cause, _ in causes], dict(causes),
+                         f"the value: {kind_of(c)}, {describe(c)}, from your {numbers}: all {total} positions "
+                         f"within tolerance (largest difference {largest:.1e})"), peer
+        lines = [head, f"no configuration tried explains your values from your own {numbers} within tolerance"]
+        if count >= HINT_SHARE * total and not fit.degenerate(c):
+            lines.append(f"the nearest, {describe(c)}, matches {count} of {total} positions ({count / total:.0%})")
+        return Check(name, "differs", lines, [], found="the value: no configuration tried explains it"), peer
+    # no numbers of its own: the reference's, under the declared configuration with the positions shifted or
+    # counted over pads, then every configuration fitted
+    hypotheses = {"the fixture": (asked, [])}
     for offset in (1, -1):
-        hyps[f"positions shifted by {offset:+d}"] = (
-            ref.divergences(beta=beta, temperature=T, clip=clip, tau=tau, offset=offset), [f"shift:{offset:+d}"])
+        hypotheses[f"positions shifted by {offset:+d}"] = (fixture_values(offset=offset), [f"shift:{offset:+d}"])
     for sides in (("student",), ("teacher",), SIDES):
-        hyps[f"position ids counted over the pads ({' and '.join(sides)})"] = (
-            ref.divergences(beta=beta, temperature=T, clip=clip, tau=tau, padded=sides, size=size),
-            [f"position-ids:{s}" for s in sides])
-    reference = {side: {r: ref.log_probs(side, r, T) for r in peer} for side in SIDES}
-    notes = {}
-    for label, (causes, values, note) in field_forms(reference["student"], reference["teacher"], ref.rows, peer,
-                                                     matches, beta=beta, clip=clip, tau=tau,
-                                                     tie=TOL_LOGPROB).items():
-        hyps[label] = (values, causes)
-        if note:
-            notes.update({c: note for c in causes})
-    errors, matched = compare({h: {r: v[r] for r in peer} for h, (v, _) in hyps.items()})
-    found, causes = diagnose({h: c for h, (_, c) in hyps.items()}, errors, matched, lengths,
-                             {side: ref.shorter(side, size) for side in SIDES})
-    return Check(name, "differs", [head, *found[1:]] if found else [head], causes,
-                 {c: n for c, n in notes.items() if c in causes}), peer
+        hypotheses[f"position ids counted over the pads ({' and '.join(sides)})"] = (
+            fixture_values(padded=sides, size=size), [f"position-ids:{s}" for s in sides])
+    shorter = {side: ref.shorter(side, size) for side in SIDES}
+
+    def read(hypotheses):  # diagnose's reading, over the positions in the loss
+        errors = {h: {r: e[skip:] for r, e in per_row((P - v).abs()).items()} for h, (v, _) in hypotheses.items()}
+        matched = {h: {r: m[skip:] for r, m in per_row(close(P, v)).items()} for h, (v, _) in hypotheses.items()}
+        return diagnose({h: c for h, (_, c) in hypotheses.items()}, errors, matched,
+                        {r: max(0, ref.lengths[r] - skip) for r in rows}, shorter)
+
+    found, causes, explained = read(hypotheses)
+    notes, identified = {}, None
+    if not explained:
+        numbers = reference_numbers(ref, rows)
+        fit = Fit(numbers["student"], numbers["teacher"], y, P, kept, declared, TOL_LOGPROB)
+        count, c, note = fit.identify()[0]
+        if count > total // 2:  # a majority: the positions it leaves are read by their pattern
+            changes = differences(c, declared, note)
+            label = describe(c)
+            trial = dict(hypotheses)
+            trial[label] = (fit.values(c), [cause for cause, _ in changes])
+            lines, named, explained = read(trial)
+            if explained:
+                found, causes, notes = lines, named, dict(changes)
+                identified = f"the value: {kind_of(c)}, {label}" + (
+                    f": all {total} positions within tolerance" if count == total else "")
+        if not explained and count >= HINT_SHARE * total and not fit.degenerate(c):
+            found.append(f"the nearest configuration tried, {describe(c)}, matches {count} of {total} positions "
+                         f"({count / total:.0%})")
+    if not explained:
+        found.append("no configuration tried explains your values within tolerance")
+        identified = "the value: no configuration tried explains it"
+    return Check(name, "differs", [head, *found[1:]], causes, {c: t for c, t in notes.items() if c in causes and t},
+                 identified), peer
 
 
 def setting_figures(ref, setting):
@@ -753,26 +1198,12 @@ def setting_figures(ref, setting):
                                tau=setting["tau"]) for c in CLIPS}
 
 
-def compare_loss(ref, dump, setting, clip, peer_values, divided=False):
-    """Check: the loss, against the fixture's; the normalisation from the peer's own per-position values
-    (or the fixture's when it dumped none)."""
+def compare_loss(ref, dump, skip, peer_values, source, expected):
+    """Check: the loss, against the expected one; its normalisation from per-position values `peer_values`
+    ({row: (L,)}, from `source`)."""
     name = "loss"
     if dump.loss is None:
         return Check(name, "not checked", ["the dump states no loss"], [])
-    expected = ref.fixture["expected"][dump.setting][clip]["loss"] if ref.fixture else None
-    skip = setting["skip_first_tokens"]
-    if peer_values is None or len(peer_values) != len(ref.rows):
-        own = own_log_probs(dump, setting, divided) if len(dump.rows) == len(ref.rows) else None
-        if own is not None:
-            peer_values = {r: divergence(own["student"][r], own["teacher"][r], beta=setting["beta"], clip=clip,
-                                         tau=setting["tau"]) for r in own["student"]}
-            source = "your log-probs' divergence"
-        else:
-            figures = setting_figures(ref, setting)[clip]
-            peer_values = dict(enumerate(figures))
-            source = "the fixture's per-position figures"
-    else:
-        source = "your per-position divergences"
     values = [peer_values[r] for r in range(len(ref.rows))]
     size = dump.micro_batch_size or ref.micro_batch_size
     candidates = {"the step's token mean": ([], normalised(values, "step", size, skip))}
@@ -780,6 +1211,8 @@ def compare_loss(ref, dump, setting, clip, peer_values, divided=False):
         ["normalisation:micro-batch"], normalised(values, "micro-batch", size, skip))
     candidates["the mean of answers' token means"] = (["normalisation:answer"],
                                                       normalised(values, "answer", size, skip))
+    candidates["the mean of answers' sums"] = (["normalisation:row"], normalised(values, "row", size, skip))
+    candidates["the step's sum"] = (["normalisation:sum"], normalised(values, "sum", size, skip))
     if skip:
         candidates["the step's token mean over every position"] = (["skip:ignored"],
                                                                    normalised(values, "step", size, 0))
@@ -788,21 +1221,30 @@ def compare_loss(ref, dump, setting, clip, peer_values, divided=False):
     rel = lambda a, b: (a - b) / max(abs(b), 1e-30)  # noqa: E731
     hits = [h for h, (_, v) in candidates.items() if abs(rel(dump.loss, v)) <= TOL_LOSS]
     lines = [f"your loss {dump.loss:.9g}" + (f" ({dump.normalisation})" if dump.normalisation else "")
-             + (f"; the fixture's {expected:.9g} ({rel(dump.loss, expected):+.2e} relative)"
-                if expected is not None else "")]
+             + f"; the expected {expected:.9g} ({rel(dump.loss, expected):+.2e} relative)"]
     lines.append(f"from {source}: " + "; ".join(f"{h} {v:.9g}" for h, (_, v) in candidates.items()))
-    causes = []
+    causes, notes = [], {}
     step = candidates["the step's token mean"][1]
+    total = normalised(values, "sum", size, skip)
+    identified = None
     if len(hits) == 1:
         causes = candidates[hits[0]][0]
         lines.append(f"your loss is {hits[0]}" + (f" ({rel(dump.loss, step):+.2%} against the step's token mean)"
                                                   if causes else ""))
+        identified = f"the loss: {hits[0]}, {abs(rel(dump.loss, candidates[hits[0]][1])):.1e} relative from it"
     elif hits:
         lines.append("your loss equals several of these (they coincide at this setting): " + ", ".join(hits))
+    elif dump.loss != 0 and total != 0:
+        divisor = total / dump.loss
+        lines.append(f"your loss is none of these normalisations of those values: it is the step's sum divided by "
+                     f"{divisor:.6g}")
+        if source.startswith("your"):
+            causes, notes = ["normalisation:divisor"], {"normalisation:divisor": f"divided by {divisor:.6g}"}
+        identified = f"the loss: the step's sum / {divisor:.6g}"
     else:
         lines.append("your loss is none of these normalisations of those values")
-    ok = expected is not None and abs(rel(dump.loss, expected)) <= TOL_LOSS
-    return Check(name, "matches" if ok else "differs", lines, causes)
+    ok = abs(rel(dump.loss, expected)) <= TOL_LOSS
+    return Check(name, "matches" if ok else "differs", lines, causes, notes, identified)
 
 
 def compare_prompts(ref, dump):
@@ -850,42 +1292,88 @@ def compare_batches(dump):
     return Check("batch", "differs", [f"{len(lines)} broken invariants", *shown], list(dict.fromkeys(causes)))
 
 
-def verify(dump, ref):
-    """[Check] of a Dump against a Reference, in the order they are best read."""
-    settings = ref.fixture["settings"]
-    if dump.setting not in settings:
-        raise SystemExit(f"verify.py: setting {dump.setting!r} is not one of the fixture's: "
-                         f"{', '.join(settings)}.")
+def declared_config(dump, fixture):
+    """(Config, skip_first_tokens, whether it is a stored setting as stored): the fixture's setting the dump
+    names, with what its metadata declares besides (DECLARABLE)."""
+    settings = fixture["settings"]
+    if dump.setting is not None and dump.setting not in settings:
+        raise SystemExit(f"verify.py: setting {dump.setting!r} is not one of the fixture's: {', '.join(settings)} "
+                         "(or declare your own: temperature, beta, tau, skip_first_tokens, support).")
     if dump.clip not in CLIPS:
         raise SystemExit(f"verify.py: clip {dump.clip!r} is not one of {', '.join(CLIPS)} "
                          "(a peer without a clip compares with 'none').")
-    setting = settings[dump.setting]
+    setting = {"skip_first_tokens": 0, "support": "full"}
+    if dump.setting is not None:
+        setting.update(settings[dump.setting])
+    stored = not dump.declared
+    setting.update(dump.declared)
+    if "tau" not in setting and dump.clip != "none":
+        raise SystemExit("verify.py: the dump's clip acts at a tau its metadata does not give: declare 'tau'.")
+    for key, ok, rule in (("temperature", lambda v: v > 0, "above 0"), ("beta", lambda v: 0 <= v <= 1,
+                          "from 0 to 1"), ("tau", lambda v: v > 0, "above 0"),
+                          ("skip_first_tokens", lambda v: v >= 0, "0 or more")):
+        if key in setting and not ok(setting[key]):
+            raise SystemExit(f"verify.py: the dump's {key} is {setting[key]}; it must be {rule}.")
+    support = parse_support(setting["support"])
+    T = setting["temperature"]
+    return Config(T, T, setting["beta"], dump.clip, setting.get("tau", 0.05), **support), \
+        setting["skip_first_tokens"], stored
+
+
+def verify(dump, ref):
+    """[Check] of a Dump against a Reference, in the order they are best read."""
+    declared, skip, stored = declared_config(dump, ref.fixture)
     size = dump.micro_batch_size or ref.micro_batch_size
-    divided, inferred = logits_form(ref, dump, setting)
     checks = [compare_batches(dump), compare_prompts(ref, dump)]
-    sides = [compare_side(ref, dump, side, setting, size, divided, inferred) for side in SIDES]
+    theirs = {side: {r: t[f"{side}_prompt_ids"].tolist() for r, t in dump.rows.items()
+                     if f"{side}_prompt_ids" in t and r < len(ref.rows)
+                     and t[f"{side}_prompt_ids"].tolist() != ref.rows[r][f"{side}_prompt_ids"]} for side in SIDES}
+    peer_ref = ref.with_prompts(theirs)  # what else differs is read with the peer's own prompts
+    divided, inferred = logits_form(peer_ref, dump, declared.student_t)
+    sides = [compare_side(peer_ref, dump, side, declared, size, divided, inferred, bool(theirs[side]))
+             for side in SIDES]
     if all("logits:divided" in c.causes for c in sides):  # the dump says raw; both sides show them divided
         divided = True
     checks += sides
-    divergence_check, values = compare_divergence(ref, dump, setting, dump.clip, size, divided)
-    checks += [divergence_check, compare_loss(ref, dump, setting, dump.clip, values, divided)]
-    return rule_out(checks, ruled_out(checks, dump, ref, size))
+    divergence_check, values = compare_divergence(peer_ref, dump, declared, skip, size, divided,
+                                                  any(theirs.values()))
+    rows = list(range(len(ref.rows)))
+    numbers = reference_numbers(ref, rows)
+    y = torch.cat([torch.tensor(r["completion_ids"]) for r in ref.rows])
+    lengths = ref.lengths
+    if stored and dump.setting is not None:
+        expected = ref.fixture["expected"][dump.setting][dump.clip]["loss"]
+    else:
+        asked = config_values(declared, numbers["student"], numbers["teacher"], y)
+        expected = normalised(list(asked.split(lengths)), "step", size, skip)
+    source = "your per-position divergences"
+    if values is None or len(values) != len(ref.rows):
+        own = None
+        if len(dump.rows) == len(ref.rows):
+            own = own_numbers(dump, rows, divided)
+        source = "your log-probs' values"
+        if own is None:
+            own, source = reference_numbers(peer_ref, rows), "the reference's per-position values"
+        values = dict(enumerate(config_values(declared, own["student"], own["teacher"], y).split(lengths)))
+    checks += [divergence_check, compare_loss(ref, dump, skip, values, source, expected)]
+    return rule_out(checks, ruled_out(dump, ref, size))
 
 
-def ruled_out(checks, dump, ref, size):
-    """{cause: the check that rules it out}: a side's prompt, when the prompts check matched with every row's
-    prompt on that side dumped; a side's pad-predicted first position and pad-counted position ids, when the
-    batch check matched with every micro-batch of that side dumped."""
-    status = {c.name: c.status for c in checks}
+def ruled_out(dump, ref, size):
+    """{cause: the check that rules it out}: a side's prompt, when every row's prompt ids on that side were dumped
+    and are the fixture's; a side's pad-predicted first position and pad-counted position ids, when every
+    micro-batch of that side was dumped and keeps the batch's invariants."""
     out = {}
     for side in SIDES:
-        if status["prompts"] == "matches" and all(f"{side}_prompt_ids" in dump.rows.get(r, {})
-                                                  for r in range(len(ref.rows))):
+        if all(f"{side}_prompt_ids" in dump.rows.get(r, {}) and dump.rows[r][f"{side}_prompt_ids"].tolist()
+               == ref.rows[r][f"{side}_prompt_ids"] for r in range(len(ref.rows))):
             out[f"prompt:{side}"] = "prompts"
-        if status["batch"] == "matches" and all((k, side) in dump.batches
-                                                for k in range(-(-len(ref.rows) // size))):
+        batches = [dump.batches.get((k, side)) for k in range(-(-len(ref.rows) // size))]
+        if all(b is not None and all(n in b for n in BATCH_TENSORS[:4]) and not batch_problems(
+                b["input_ids"], b["attention_mask"], b["position_ids"], b["answer_mask"], b.get("scored_mask"))
+               for b in batches):
             out.update({f"{kind}:{side}": "batch" for kind in ("pad-first", "position-ids")})
-    if all(f"{kind}:{side}" in out for side in SIDES for kind in ("pad-first",)):
+    if all(f"pad-first:{side}" in out for side in SIDES):
         out.update({"pad-first:either": "batch", "position-ids:either": "batch"})
     return out
 
@@ -909,15 +1397,22 @@ def causes_of(checks):
 
 
 def report(checks, dump, path):
-    out = [f"verify.py: {path}: setting {dump.setting}, clip {dump.clip}, {len(dump.rows)} rows"]
+    setting = dump.setting or "your own"
+    declared = ", ".join(f"{k} {v}" for k, v in dump.declared.items())
+    out = [f"verify.py: {path}: setting {setting}" + (f" ({declared})" if declared else "") +
+           f", clip {dump.clip}, {len(dump.rows)} rows"]
     for check in checks:
         out.append(f"[{check.status}] {check.name}: {check.lines[0]}")
         out += [f"    {line}" for line in check.lines[1:]]
+    found = [c.found for c in checks if c.found]
+    if found:
+        out.append("What your numbers show:")
+        out += [f"  - {line}" for line in found]
     causes = causes_of(checks)
     if causes:
-        out.append("Likely causes:")
+        out.append("Likely causes (where you differ from the declared definition):")
         notes = {c: n for check in checks for c, n in check.notes.items()}
-        out += [f"  - {c}: {CAUSES[c]}" + (f" ({notes[c]})" if c in notes else "") for c in causes]
+        out += [f"  - {c}: {CAUSES[c]}" + (f" ({notes[c]})" if notes.get(c) else "") for c in causes]
     elif any(c.status == "differs" for c in checks):
         out.append("No cause is identified by the numbers: see the differences above.")
     else:
