@@ -207,7 +207,8 @@ class Port:
     @torch.no_grad()
     def run(self, model, setting, clip, pad):
         """(per-row dump tensors, the loss, the batches)."""
-        s = FIXTURE["settings"][setting]
+        s = FIXTURE["settings"][setting] if isinstance(setting, str) else {"skip_first_tokens": 0, "tau": 0.05,
+                                                                            **setting}
         rows, batches = {}, {}
         for k, first in enumerate(range(0, len(ROWS), MB)):
             group = ROWS[first:first + MB]
@@ -225,6 +226,8 @@ class Port:
                     rows[first + i][f"{side}_logits"] = x
                     rows[first + i][f"{side}_scaled"] = self.scaled(x, side, s["temperature"])
                     rows[first + i][f"{side}_prompt_ids"] = torch.tensor(prompts[i])
+                    y = torch.tensor(group[i]["completion_ids"])
+                    rows[first + i][f"{side}_token"] = lp[torch.arange(len(y)), y]
         for i, r in rows.items():
             r["divergence"] = self.row_divergence(i, r, s, clip)
         loss = self.loss([rows[i]["divergence"] for i in range(len(ROWS))], s["skip_first_tokens"])
@@ -402,20 +405,28 @@ class SampledToken(Port):
 
 
 def dump_of(port, model, tmp_path, setting="forward-T1.1", clip="entry",
-            keep=("logprobs", "divergence", "batch", "prompts"), name="dump", logits=None):
+            keep=("logprobs", "divergence", "batch", "prompts"), name="dump", logits=None, declared=None):
     """The port's dump at a setting and clip, holding what `keep` names ("logits": the raw logits; "divided":
-    those the port's log-softmax takes, divided by the temperature), the metadata's `logits` as given."""
+    those the port's log-softmax takes, divided by the temperature), the metadata's `logits` as given; the
+    setting a dict: the port runs at it and the metadata declares it (with `declared`, the metadata declares that
+    instead: a peer declaring the nearest setting it has)."""
     rows, loss, batches = port.run(model, setting, clip, model.config.pad_token_id)
+    if declared is None and not isinstance(setting, str):
+        declared = dict(setting)
+    if isinstance(declared, str):
+        setting, declared = declared, None
     fields = {"logprobs": {"student_logprobs": "student_logprobs", "teacher_logprobs": "teacher_logprobs"},
               "logits": {"student_logits": "student_logits", "teacher_logits": "teacher_logits"},
               "divided": {"student_logits": "student_scaled", "teacher_logits": "teacher_scaled"},
+              "token": {"student_token_logprobs": "student_token", "teacher_token_logprobs": "teacher_token"},
               "divergence": {"divergence": "divergence"},
               "prompts": {"student_prompt_ids": "student_prompt_ids", "teacher_prompt_ids": "teacher_prompt_ids"}}
     kept = {name: field for k in keep if k in fields for name, field in fields[k].items()}
     rows = {i: {name: r[field] for name, field in kept.items()} for i, r in rows.items()}
     path = tmp_path / f"{name}.safetensors"
-    verify.write_dump(path, setting=setting, clip=clip, rows=rows, loss=loss, normalisation=port.normalisation,
-                      batches=batches if "batch" in keep else None, logits=logits)
+    verify.write_dump(path, setting=setting if isinstance(setting, str) else None, clip=clip, rows=rows, loss=loss,
+                      normalisation=port.normalisation, batches=batches if "batch" in keep else None, logits=logits,
+                      **(declared or {}))
     return path
 
 
@@ -604,6 +615,207 @@ def test_the_command_line(model, tmp_path, capsys):
     good = dump_of(Port(), model, tmp_path, keep=("logprobs", "divergence"), name="good")
     assert verify.main([str(good)]) == 0
     assert capsys.readouterr().out.endswith("Every check that ran matches.\n")
+
+
+# -----------------------------------------------------------------------------
+# Peers the kit was not built around, each written from a description of a real implementation: it must say
+# what they compute (their temperature, divergence, value form, normalisation), and nothing spurious
+
+
+class OwnTemperature(Port):
+    """A peer whose loss temperature is its own default (`temperature`, both sides), whatever it declares; with
+    `student_prompt` "recipe", its student also sees the released recipe's prompt ("Problem: ..."), rendered
+    with thinking off, where the fixture's student sees eval.py's."""
+
+    def __init__(self, temperature, tokenizer=None, student_prompt=None):
+        self.temperature, self.tokenizer, self.student_prompt = temperature, tokenizer, student_prompt
+
+    def scaled(self, logits, side, temperature):
+        return logits / self.temperature
+
+    def row_divergence(self, row, tensors, s, clip):
+        return super().row_divergence(row, tensors, {**s, "temperature": self.temperature}, clip)
+
+    def prompt_ids(self, row, side):
+        if side == "teacher" or self.student_prompt is None:
+            return row[f"{side}_prompt_ids"]
+        chat = [{"role": "user", "content": opsd.student_message(row["problem"], self.student_prompt)}]
+        return self.tokenizer.apply_chat_template(chat, add_generation_prompt=True, enable_thinking=False,
+                                                  tokenize=True, return_dict=False)
+
+
+class SampledJSDClampedHalves(Port):
+    """A generalized-JSD trainer's sampled-token mode: at the answer token y alone, with y drawn from the student,
+    the one-sample estimate of each half of the JSD(beta), each clamped at zero:
+    beta (p_T(y) / p_S(y)) log(p_T(y) / m(y)) and (1 - beta) log(p_S(y) / m(y)), m = beta p_T + (1 - beta) p_S.
+    Written with probabilities, not log-probs."""
+
+    def row_divergence(self, row, tensors, s, clip):
+        y = torch.tensor(ROWS[row]["completion_ids"])
+        at = torch.arange(len(y))
+        p_s = tensors["student_logprobs"].double().exp()[at, y]
+        p_t = tensors["teacher_logprobs"].double().exp()[at, y]
+        beta = s["beta"]
+        m = beta * p_t + (1 - beta) * p_s
+        teacher_half = (beta * p_t / p_s * torch.log(p_t / m)).clamp(min=0)
+        student_half = ((1 - beta) * torch.log(p_s / m)).clamp(min=0)
+        return (teacher_half + student_half).float()
+
+
+class PolicyGradient(Port):
+    """An RL framework's OPSD workflow: the advantage at each sampled token is log p_T(y) - log p_S(y), held fixed;
+    the per-position value is the policy-gradient surrogate -advantage * log p_S(y); the loss its token mean."""
+
+    def row_divergence(self, row, tensors, s, clip):
+        y = torch.tensor(ROWS[row]["completion_ids"])
+        at = torch.arange(len(y))
+        log_s, log_t = tensors["student_logprobs"][at, y], tensors["teacher_logprobs"][at, y]
+        advantage = (log_t - log_s).detach()
+        return -advantage * log_s
+
+
+class Summed(Port):
+    """The loss is the sum over the step's answer tokens, not their mean."""
+
+    normalisation = "sum"
+
+    def loss(self, values, skip):
+        return sum(v[skip:].sum() for v in values)
+
+
+class RowMean(Port):
+    """The loss is each answer's sum over its tokens, averaged over the answers."""
+
+    normalisation = "mean over rows"
+
+    def loss(self, values, skip):
+        return sum(v[skip:].sum() for v in values) / len(values)
+
+
+class PowerOfTheLogRatio(Port):
+    """A form no configuration of the kit's has: |log p_S(y) - log p_T(y)| ** 1.5 at the sampled token."""
+
+    def row_divergence(self, row, tensors, s, clip):
+        y = torch.tensor(ROWS[row]["completion_ids"])
+        at = torch.arange(len(y))
+        return (tensors["student_logprobs"][at, y] - tensors["teacher_logprobs"][at, y]).abs() ** 1.5
+
+
+def named_with(checks, cause):
+    return next(c.notes[cause] for c in checks.values() if cause in c.causes)
+
+
+@pytest.mark.parametrize("keep", [("logprobs", "divergence"), ("divergence",), ("logits", "divergence")])
+def test_a_temperature_is_fitted_not_looked_up(model, reference, tmp_path, keep):
+    """A peer at T 1.2, declaring the recipe's 1.1: from its log-probs, from its divergences alone, and from raw
+    logits (where only the divergence shows the temperature), the fitted T is 1.2 on both sides, nothing else."""
+    checks, causes, report = run_verifier(dump_of(OwnTemperature(1.2), model, tmp_path, keep=keep, logits="raw"),
+                                          reference)
+    if keep[0] == "logprobs":
+        assert causes == {"temperature:student", "temperature:teacher"}, report
+        notes = [named_with(checks, f"temperature:{side}") for side in verify.SIDES]
+    else:
+        assert causes == {"temperature:both"}, report
+        notes = [named_with(checks, "temperature:both")]
+    for note in notes:
+        assert float(note.split()[1].rstrip(",")) == pytest.approx(1.2, rel=1e-3), report
+    assert "What your numbers show:" in report, report
+
+
+def test_a_peer_at_its_own_default_declaring_the_nearest_setting(model, reference, tokenizer, tmp_path):
+    """A peer at T 0.9 declaring T 1.0 (forward-T1.0), whose student also sees the recipe's prompt while its
+    teacher's ids are the fixture's: its student prompt and the temperature on both sides are named, never the
+    teacher's prompt (its ids match); the log-probs are read against the peer's own student prompt."""
+    port = OwnTemperature(0.9, tokenizer, student_prompt="recipe")
+    path = dump_of(port, model, tmp_path, "forward-T1.0", "none", keep=("logprobs", "divergence", "prompts"))
+    checks, causes, report = run_verifier(path, reference)
+    assert causes == {"prompt:student", "temperature:student", "temperature:teacher"}, report
+    for side in verify.SIDES:
+        assert float(named_with(checks, f"temperature:{side}").split()[1].rstrip(",")) == pytest.approx(0.9, rel=1e-3), \
+            report
+    assert "against your own prompt ids" in checks["student log-probs"].lines[0], report
+    # declared as it runs (its own setting: T 0.9, beta 0, no clip), only the prompt remains
+    own = {"temperature": 0.9, "beta": 0.0, "tau": 0.05, "skip_first_tokens": 0}
+    checks, causes, report = run_verifier(dump_of(port, model, tmp_path, own, "none",
+                                                  keep=("logprobs", "divergence", "prompts")), reference)
+    assert causes == {"prompt:student"}, report
+    assert checks["divergence"].status == "matches", report
+
+
+@pytest.mark.parametrize("keep", [("logprobs", "divergence"), ("token", "divergence"), ("divergence",)])
+def test_a_sampled_token_jsd_with_clamped_halves(model, reference, tmp_path, keep):
+    """At its own defaults (T 1.0, beta 0.5) declared, compared with the full JSD: named as the sampled token's
+    estimate with clamped halves, from full log-probs, from the sampled token's log-probs alone, or from its
+    values alone; declared as it runs (support sampled-token:estimate:clamped), it matches."""
+    port = SampledJSDClampedHalves()
+    checks, causes, report = run_verifier(dump_of(port, model, tmp_path, "jsd0.5-T1.0", "none", keep), reference)
+    assert causes == {"sampled-token:estimate", "clamp:halves"}, report
+    assert "an estimator" in report, report
+    if keep == ("logprobs", "divergence"):
+        own = {"temperature": 1.0, "beta": 0.5, "support": "sampled-token:estimate:clamped"}
+        checks, causes, report = run_verifier(dump_of(port, model, tmp_path, own, "none", keep), reference)
+        assert causes == set() and checks["divergence"].status == "matches", report
+        assert checks["loss"].status == "matches", report
+
+
+@pytest.mark.parametrize("keep", [("token", "divergence"), ("divergence",)])
+def test_a_policy_gradient_surrogate_is_named_as_such(model, reference, tmp_path, keep):
+    """An RL framework's surrogate, declared at the reverse KL it estimates: named a policy-gradient surrogate,
+    nothing else; declared as it runs, it matches."""
+    port = PolicyGradient()
+    checks, causes, report = run_verifier(dump_of(port, model, tmp_path, "reverse-T1.0", "none", keep), reference)
+    assert causes == {"sampled-token:surrogate"}, report
+    assert "a policy-gradient surrogate" in report, report
+    own = {"temperature": 1.0, "beta": 1.0, "support": "sampled-token:surrogate"}
+    checks, causes, report = run_verifier(dump_of(port, model, tmp_path, own, "none", keep), reference)
+    assert causes == set() and checks["divergence"].status == "matches", report
+
+
+@pytest.mark.parametrize("port, named", [(Summed(), "normalisation:sum"), (RowMean(), "normalisation:row")])
+def test_a_summed_loss_and_a_mean_over_rows(model, reference, tmp_path, port, named):
+    for keep in (("logprobs", "divergence"), ("divergence",), ("logprobs",)):
+        checks, causes, report = run_verifier(dump_of(port, model, tmp_path, keep=keep), reference)
+        assert causes == {named}, report
+    values = [torch.tensor(f) for f in (r["figures"]["forward-T1.1"]["entry"] for r in ROWS)]
+    total = sum(float(v.sum()) for v in values)
+    expected = total if named == "normalisation:sum" else total / len(ROWS)
+    what = "the step's sum" if named == "normalisation:sum" else "the mean of answers' sums"
+    shown = float(checks["loss"].lines[1].split(f"{what} ")[1].split(";")[0])
+    assert shown == pytest.approx(expected, rel=1e-5), report  # the fixture's figures, summed by hand
+
+
+def test_a_loss_over_another_divisor_is_named_with_it(model, reference, tmp_path):
+    """The step's sum over 1024 x the number of answers (a fixed length per answer): the divisor is given."""
+
+    class FixedLength(Port):
+        normalisation = "sum / (1024 x answers)"
+
+        def loss(self, values, skip):
+            return sum(v.sum() for v in values) / (1024 * len(values))
+
+    checks, causes, report = run_verifier(dump_of(FixedLength(), model, tmp_path), reference)
+    assert causes == {"normalisation:divisor"}, report
+    assert float(checks["loss"].notes["normalisation:divisor"].split()[-1]) == pytest.approx(1024 * len(ROWS),
+                                                                                              rel=1e-4), report
+
+
+@pytest.mark.parametrize("keep", [("logprobs", "divergence"), ("divergence",)])
+def test_a_form_outside_every_configuration_is_said_plainly(model, reference, tmp_path, keep):
+    """Nothing fits: said so, no cause, and no hint from a form that is zero at every position."""
+    checks, causes, report = run_verifier(dump_of(PowerOfTheLogRatio(), model, tmp_path, "reverse-T1.0", "none",
+                                                  keep), reference)
+    assert causes == set(), report
+    assert any(line.startswith("no configuration tried explains") for line in checks["divergence"].lines), report
+    assert "top 1 entries" not in report, report
+
+
+def test_a_declared_top_k_is_the_reference(model, reference, tmp_path):
+    """A TRL-like student top-100 with a tail entry, declared as such: it matches; declared with the whole
+    vocabulary, its k is found (the fixture's `support` fast path is the whole vocabulary)."""
+    port = TopK("student", 100, True)
+    own = {"temperature": 1.0, "beta": 0.5, "support": "top-k:student:100:tail"}
+    checks, causes, report = run_verifier(dump_of(port, model, tmp_path, own, "none"), reference)
+    assert causes == set() and checks["divergence"].status == "matches", report
 
 
 # -----------------------------------------------------------------------------

@@ -472,6 +472,7 @@ TEMPERATURES = (0.2, 5.0)  # the range a temperature is fitted in
 TAUS = (1e-4, 20.0)  # and a clip's tau
 TOP_K_GRID = (1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 20, 25, 32, 50, 64, 100, 128, 200, 256, 400)
 FIT_POSITIONS = 160  # the continuous parameters are searched on this many positions, then checked on all
+PHASE_TWO = 6  # the structures, the nearest first, whose temperatures are fitted when no structure fits without
 
 
 def close(a, b):
@@ -521,6 +522,11 @@ class Fit:
             return c._replace(beta=min((0.0, 1.0, inside), key=at))
         if name == "tau":
             return c._replace(tau=minimise(at, *TAUS, log=True))
+        if name == "temperature":  # one loss temperature on both sides
+            def both(x):
+                return self.score(c._replace(student_t=x, teacher_t=x))
+            x = minimise(both, *TEMPERATURES, log=True)
+            return c._replace(student_t=x, teacher_t=x)
         return c._replace(**{name: minimise(at, *TEMPERATURES, log=True)})
 
     def count_on_search(self, c):
@@ -558,44 +564,43 @@ class Fit:
 
     def fitted(self, c, free):
         """c with the parameters `free` fitted (and a top k's k), then put back to the declared values wherever
-        those match as many positions. Each parameter in turn, twice, from the declared values; if that
-        leaves positions unmatched and both temperatures are free, again from the best point of a grid of the
-        two together (their valley can run across both)."""
+        those match as many positions. Temperatures are tried in turn, the first plan that matches every position
+        ending it: one side's alone, one for both sides, then each side in turn from that (their valley can run
+        across both); beta and tau after each."""
         if c.support == "top-k":
             c = self.top_k(c)
-        starts = [c]
-        if "student_t" in free and "teacher_t" in free:
-            grid = [TEMPERATURES[0] * (TEMPERATURES[1] / TEMPERATURES[0]) ** (i / 24) for i in range(25)]
-            pairs = [(s, t) for s in grid for t in grid]
-            s, t = min(pairs, key=lambda p: self.score(c._replace(student_t=p[0], teacher_t=p[1])))
-            starts.append(c._replace(student_t=s, teacher_t=t))
-        best = None
-        for start in starts:
-            c = start
-            for _ in range(2):
-                if self.count(c) == self.total:
-                    break
-                for name in free:
-                    c = self.move(c, name)
-                if c.support == "top-k":
-                    c = self.top_k(c)
-            if best is None or self.count(c) > self.count(best):
-                best = c
-            if self.count(best) == self.total:
+        rest = [name for name in free if not name.endswith("_t")]
+        sides = [name for name in free if name.endswith("_t")]
+        plans = [(c, rest)] + [(c, [name] + rest) for name in sides]
+        if len(sides) == 2:
+            plans.append((c, ["temperature"] + rest))
+            plans.append((c, ["temperature"] + (sides + rest) * 3))
+        best, n = c, self.count(c)
+        for start, moves in plans:
+            if n == self.total:
                 break
-        c, n = best, self.count(best)
+            trial = start
+            for name in moves:
+                trial = self.move(trial, name)
+                if trial.support == "top-k":
+                    trial = self.top_k(trial)
+            if self.count(trial) > n:
+                best, n = trial, self.count(trial)
         for name in free:
-            back = c._replace(**{name: getattr(self.declared, name)})
+            back = best._replace(**{name: getattr(self.declared, name)})
             if self.count(back) >= n:
-                c = back
-        return c
+                best = back
+        return best
 
     def structures(self):
         """Config fields of every structure tried, the declared one first."""
         d = self.declared
-        out = [{"support": d.support, "by": d.by, "k": d.k, "tail": d.tail, "form": d.form, "clamp": d.clamp,
-                "clip": d.clip}]
-        if self.student.full and self.teacher.full:
+        full = self.student.full and self.teacher.full
+        out = []
+        if full or d.support == "sampled-token":  # the sampled token's log-probs alone give no other support
+            out.append({"support": d.support, "by": d.by, "k": d.k, "tail": d.tail, "form": d.form,
+                        "clamp": d.clamp, "clip": d.clip})
+        if full:
             out += [{"support": "full", "clip": clip} for clip in CLIPS]
             out += [{"support": "top-k", "by": by, "tail": tail, "clip": d.clip} for by in SIDES
                     for tail in (False, True)]
@@ -609,13 +614,19 @@ class Fit:
         """[(positions matched, configuration, the top k's note)], the best first: the most positions matched,
         then the fewest differences from the declared configuration. The declared structure first, then every
         other, each with beta and tau fitted; then, if none matched every position and the numbers are logits,
-        again with the temperatures fitted too. The first that matches every position ends the search."""
+        the PHASE_TWO nearest again with the temperatures fitted too. The first that matches every position ends
+        the search."""
         found = []
         temperatures = ("student_t", "teacher_t")
+        structures = self.structures()
         for fit_temperatures in (False, True):
-            if fit_temperatures and not (self.student.free or self.teacher.free):
-                break
-            for fields in self.structures():
+            if fit_temperatures:
+                if not (self.student.free or self.teacher.free):
+                    break
+                # the temperatures refitted for the structures that came nearest
+                nearest = sorted(range(len(found)), key=lambda i: -found[i][0])[:PHASE_TWO]
+                structures = [structures[i] for i in sorted(nearest)]
+            for fields in structures:
                 c = self.declared._replace(**fields)
                 if c.support == "top-k" and c.k == 0:
                     c = c._replace(k=1)
