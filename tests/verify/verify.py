@@ -115,14 +115,13 @@ def top_k_log_probs(log_s, log_t, k, tail, order):
 # The values a peer can take from the sampled token y alone, a = log p_S(y) and b = log p_T(y) (y drawn from the
 # student). Their kind: a divergence's term, an estimator of a divergence, or a policy-gradient surrogate.
 SAMPLED_FORMS = {
-    "term": ("a divergence's term", "the divergence's own term at y, d_y"),
-    "estimate": ("an estimator", "the one-sample estimate of the divergence, d_y / p_S(y) (at beta 1, "
-                                 "log p_S(y) - log p_T(y))"),
+    "term": ("a divergence's term", "its term at y, d_y"),
+    "estimate": ("an estimator", "its one-sample estimate d_y / p_S(y) (at beta 1, log p_S(y) - log p_T(y))"),
     "k2": ("an estimator", "(log p_S(y) - log p_T(y))^2 / 2, an estimate of the reverse KL"),
     "k3": ("an estimator", "p_T(y) / p_S(y) - 1 - log(p_T(y) / p_S(y)), an estimate of the reverse KL"),
     "surrogate": ("a policy-gradient surrogate", "-(log p_T(y) - log p_S(y)) log p_S(y), the advantage "
-                                                 "log p_T(y) - log p_S(y) held fixed: its gradient is the sampled "
-                                                 "estimate of the reverse KL's, its value no divergence"),
+                                                 "log p_T(y) - log p_S(y) held fixed (its gradient is the sampled "
+                                                 "estimate of the reverse KL's; its value is no divergence)"),
 }
 
 
@@ -312,8 +311,8 @@ def kind_of(c):
     return "a divergence"
 
 
-def describe(c):
-    """The configuration in words."""
+def describe(c, temperatures=True):
+    """The configuration in words (without its temperatures: those of fixed log-probs mean nothing)."""
     if c.support == "sampled-token" and not uses_beta(c):
         what = SAMPLED_FORMS[c.form][1]
     else:
@@ -325,13 +324,16 @@ def describe(c):
             what += f" over the {c.by}'s top {c.k} entries, " + (
                 "with a tail entry for the rest" if c.tail else "renormalised over them")
         else:
-            what += f" at the sampled token alone, {SAMPLED_FORMS[c.form][1]}"
+            short = {"term": "its term there", "estimate": "its one-sample estimate d_y / p_S(y)"}[c.form]
+            what += f" at the sampled token y alone, {short}"
     if c.support == "sampled-token" and c.clamp:
         what += ", each half clamped at >= 0"
     clip = {"none": "no clip", "entry": f"each entry clipped at tau {c.tau:.4g}",
             "token": f"the position's value clipped at tau {c.tau:.4g}"}[c.clip]
     if c.support == "sampled-token" and c.clip != "none":
         clip = f"clipped at tau {c.tau:.4g}"
+    if not temperatures:
+        return f"{what}, {clip}"
     temps = f"T {c.student_t:.4g}"
     if not same(c.student_t, c.teacher_t):
         temps = f"T {c.student_t:.4g} (student) and {c.teacher_t:.4g} (teacher)"
@@ -648,7 +650,7 @@ class Fit:
         return bool(close(value, torch.zeros_like(value)).all()) and not bool(close(peer, torch.zeros_like(peer)).all())
 
 
-HINT_SHARE = 0.75  # a configuration that matches less than this share of positions is not offered as a hint
+HINT_SHARE = 0.9  # a configuration that matches less than this share of positions is not offered as a hint
 
 
 # -----------------------------------------------------------------------------
@@ -1147,19 +1149,22 @@ def compare_divergence(ref, dump, declared, skip, size, divided=False, own_promp
         fit = Fit(own["student"], own["teacher"], y, P, kept, declared)
         count, c, note = fit.identify()[0]
         numbers = "log-probs" if own["student"].full and own["teacher"].full else "sampled-token log-probs"
+        if own["student"].free or own["teacher"].free:
+            numbers = "logits"
+        said = describe(c, numbers == "logits")
         if count == total:
             causes = differences(c, declared, note)
             largest = float(((P - fit.values(c)).abs() * kept).max())
-            said = "computed as asked from your log-probs, so the differences come from the log-probs (above)"
-            if causes:
-                said = "; ".join(CAUSES[cause] + (f" ({text})" if text else "") for cause, text in causes)
-            lines = [head, f"every position equals {describe(c)}, from your {numbers}: {said}"]
+            lines = [head, f"every position equals {said}, from your {numbers}"]
+            if not causes:
+                lines[1] = "every position is computed as asked from your log-probs, so the differences come from " \
+                           "the log-probs (above)"
             return Check(name, "differs", lines, [cause for cause, _ in causes], dict(causes),
-                         f"the value: {kind_of(c)}, {describe(c)}, from your {numbers}: all {total} positions "
-                         f"within tolerance (largest difference {largest:.1e})"), peer
+                         f"the value: {kind_of(c)}, {said}, from your {numbers}: all {total} positions within "
+                         f"tolerance (largest difference {largest:.1e})"), peer
         lines = [head, f"no configuration tried explains your values from your own {numbers} within tolerance"]
         if count >= HINT_SHARE * total and not fit.degenerate(c):
-            lines.append(f"the nearest, {describe(c)}, matches {count} of {total} positions ({count / total:.0%})")
+            lines.append(f"the nearest, {said}, matches {count} of {total} positions ({count / total:.0%})")
         return Check(name, "differs", lines, [], found="the value: no configuration tried explains it"), peer
     # no numbers of its own: the reference's, under the declared configuration with the positions shifted or
     # counted over pads, then every configuration fitted
