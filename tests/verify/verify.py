@@ -474,7 +474,7 @@ TEMPERATURES = (0.2, 5.0)  # the range a temperature is fitted in
 TAUS = (1e-4, 20.0)  # and a clip's tau
 TOP_K_GRID = (1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 20, 25, 32, 50, 64, 100, 128, 200, 256, 400)
 FIT_POSITIONS = 160  # the continuous parameters are searched on this many positions, then checked on all
-PHASE_TWO = 6  # the structures, the nearest first, whose temperatures are fitted when no structure fits without
+PHASE_TWO = 3  # the structures whose temperatures are fitted when none fits without: the declared, the nearest
 
 
 def close(a, b):
@@ -516,20 +516,24 @@ class Fit:
         return names
 
     def move(self, c, name):
-        """c with the parameter `name` where the score is least."""
+        """c with the parameter `name` where the score is least (c itself if nothing found is better)."""
         def at(x):
             return self.score(c._replace(**{name: x}))
         if name == "beta":  # the ends are the KLs, not the JSD's limits: tried apart
             inside = minimise(at, 1e-3, 1.0 - 1e-3)
-            return c._replace(beta=min((0.0, 1.0, inside), key=at))
-        if name == "tau":
-            return c._replace(tau=minimise(at, *TAUS, log=True))
-        if name == "temperature":  # one loss temperature on both sides
+            moved = c._replace(beta=min((0.0, 1.0, inside), key=at))
+        elif name == "tau":
+            moved = c._replace(tau=minimise(at, *TAUS, log=True))
+        elif name == "temperature":  # one loss temperature on both sides
             def both(x):
                 return self.score(c._replace(student_t=x, teacher_t=x))
             x = minimise(both, *TEMPERATURES, log=True)
-            return c._replace(student_t=x, teacher_t=x)
-        return c._replace(**{name: minimise(at, *TEMPERATURES, log=True)})
+            moved = c._replace(student_t=x, teacher_t=x)
+        else:
+            moved = c._replace(**{name: minimise(at, *TEMPERATURES, log=True)})
+        if self.score(moved) < self.score(c):
+            return moved
+        return c
 
     def count_on_search(self, c):
         return int(close(self.search[3], self.values(c, on_search=True)).sum())
@@ -567,31 +571,39 @@ class Fit:
     def fitted(self, c, free):
         """c with the parameters `free` fitted (and a top k's k), then put back to the declared values wherever
         those match as many positions. Temperatures are tried in turn, the first plan that matches every position
-        ending it: one side's alone, one for both sides, then each side in turn from that (their valley can run
-        across both); beta and tau after each."""
+        ending it: one side's alone, one for both sides, each side in turn (their valley can run across both), each
+        after one for both; beta and tau after each, in rounds while they gain."""
         if c.support == "top-k":
             c = self.top_k(c)
         rest = [name for name in free if not name.endswith("_t")]
         sides = [name for name in free if name.endswith("_t")]
-        plans = [(c, rest)] + [(c, [name] + rest) for name in sides]
+        plans = [rest] + [[name] + rest for name in sides]
         if len(sides) == 2:
-            plans.append((c, ["temperature"] + rest))
-            plans.append((c, ["temperature"] + (sides + rest) * 3))
+            plans += [["temperature"] + rest, sides + rest, ["temperature"] + sides + rest]
         best, n = c, self.count(c)
-        for start, moves in plans:
+        for moves in plans:
+            trial = c
+            for _ in range(4):  # rounds, while they gain
+                if n == self.total:
+                    break
+                before = self.score(trial)
+                for name in moves:
+                    trial = self.move(trial, name)
+                    if trial.support == "top-k":
+                        trial = self.top_k(trial)
+                if self.count(trial) > n:
+                    best, n = trial, self.count(trial)
+                if not moves or self.score(trial) >= before * 0.999:
+                    break
             if n == self.total:
                 break
-            trial = start
-            for name in moves:
-                trial = self.move(trial, name)
-                if trial.support == "top-k":
-                    trial = self.top_k(trial)
-            if self.count(trial) > n:
-                best, n = trial, self.count(trial)
         for name in free:
             back = best._replace(**{name: getattr(self.declared, name)})
             if self.count(back) >= n:
                 best = back
+        unclipped = best._replace(clip="none", tau=self.declared.tau)
+        if best.clip != "none" and best.tau != self.declared.tau and self.count(unclipped) >= n:
+            best = unclipped  # a clip at a fitted tau that changes nothing is no clip
         return best
 
     def structures(self):
@@ -616,8 +628,8 @@ class Fit:
         """[(positions matched, configuration, the top k's note)], the best first: the most positions matched,
         then the fewest differences from the declared configuration. The declared structure first, then every
         other, each with beta and tau fitted; then, if none matched every position and the numbers are logits,
-        the PHASE_TWO nearest again with the temperatures fitted too. The first that matches every position ends
-        the search."""
+        the declared structure and the nearest others (PHASE_TWO in all) with the temperatures fitted too. The
+        first that matches every position ends the search."""
         found = []
         temperatures = ("student_t", "teacher_t")
         structures = self.structures()
@@ -625,9 +637,9 @@ class Fit:
             if fit_temperatures:
                 if not (self.student.free or self.teacher.free):
                     break
-                # the temperatures refitted for the structures that came nearest
-                nearest = sorted(range(len(found)), key=lambda i: -found[i][0])[:PHASE_TWO]
-                structures = [structures[i] for i in sorted(nearest)]
+                # the temperatures refitted for the declared structure and those that came nearest
+                nearest = sorted(range(1, len(found)), key=lambda i: -found[i][0])[:PHASE_TWO - 1]
+                structures = [structures[i] for i in [0] + sorted(nearest)]
             for fields in structures:
                 c = self.declared._replace(**fields)
                 if c.support == "top-k" and c.k == 0:
