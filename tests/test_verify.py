@@ -731,8 +731,8 @@ def test_a_peer_at_its_own_default_declaring_the_nearest_setting(model, referenc
     checks, causes, report = run_verifier(path, reference)
     assert causes == {"prompt:student", "temperature:student", "temperature:teacher"}, report
     for side in verify.SIDES:
-        assert float(named_with(checks, f"temperature:{side}").split()[1].rstrip(",")) == pytest.approx(0.9, rel=1e-3), \
-            report
+        fitted = float(named_with(checks, f"temperature:{side}").split()[1].rstrip(","))
+        assert fitted == pytest.approx(0.9, rel=1e-3), report
     assert "against your own prompt ids" in checks["student log-probs"].lines[0], report
     # declared as it runs (its own setting: T 0.9, beta 0, no clip), only the prompt remains
     own = {"temperature": 0.9, "beta": 0.0, "tau": 0.05, "skip_first_tokens": 0}

@@ -905,8 +905,8 @@ def side_causes(kind, side):
 def diagnose(hypotheses, errors, matched, lengths, shorter):
     """(lines, causes, explained) of a comparison, explained False where positions are left that nothing names.
     hypotheses: {name: [its causes]}, the first the fixture's (no cause); errors, matched: {name: {row: (L,)}},
-    each position's distance to the hypothesis and whether it lies within the tolerance; shorter: {side: rows shorter than their micro-batch's longest prompt}, of
-    the side compared (or of both, for the divergence). The hypothesis matching most positions explains
+    each position's distance to the hypothesis and whether it lies within the tolerance; shorter: {side: rows
+    shorter than their micro-batch's longest prompt}, of the side compared (or of both, for the divergence). The hypothesis matching most positions explains
     them; the positions it leaves are read by their pattern:
       - the first position of rows with a shorter prompt, off by far more than the row's other positions
         (PAD_FIRST_RATIO times): the first position predicted from a pad;
