@@ -79,8 +79,13 @@ def test_a_refusal_on_one_node_is_said_on_both_with_its_rank(tiny_model_dir, tmp
         logs = tmp_path / f"logs{k}"
         nodes = launch_two_nodes([str(ROOT / "tests" / "fault_launch.py"), *flags(tiny_model_dir, out)], logs,
                                  env={"FAULT": fault})
-        for node, proc in enumerate(nodes):
-            _, report = proc.communicate(timeout=120)
+        try:
+            reports = [proc.communicate(timeout=120)[1] for proc in nodes]
+        finally:
+            for proc in nodes:
+                if proc.poll() is None:
+                    os.killpg(proc.pid, signal.SIGKILL)
+        for node, (proc, report) in enumerate(zip(nodes, reports)):
             ours = rank_stderr(logs, node)
             assert proc.returncode != 0 and said(ours, f"opsd.py: error: {sentence}") == 1, ours[-2000:]
             assert "Traceback" not in ours and "<N/A>" not in report and "error: None" not in report
