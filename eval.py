@@ -94,6 +94,12 @@ def sample_seed(seed, benchmark, problem, sample):
 
 def start_engine(args):
     """The vLLM engine, and the LoRARequest that applies --adapter to every sample (None without one)."""
+    from transformers import AutoConfig
+    try:  # a hub id without network: one sentence, not vLLM's traceback
+        AutoConfig.from_pretrained(args.model)
+    except (OSError, ValueError) as e:
+        fail(f"--model {args.model}: cannot load its config ({str(e).splitlines()[0]}); without network, pass a "
+             "local model directory.")
     from vllm import LLM
     from vllm.lora.request import LoRARequest
     from vllm.platforms import current_platform

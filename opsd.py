@@ -49,6 +49,7 @@ from safetensors.torch import load_file, save_file
 
 # set by torchrun; `python opsd.py` is one rank
 RANK = int(os.environ.get("RANK", 0))
+LOCAL_RANK = int(os.environ.get("LOCAL_RANK", 0))
 WORLD_SIZE = int(os.environ.get("WORLD_SIZE", 1))
 
 
@@ -66,7 +67,7 @@ def fail(message):
 
 
 def all_reduce(tensor, op=dist.ReduceOp.SUM):
-    """Sum (or `op`) over ranks, in place."""
+    """Sum (or `op`) over ranks."""
     if dist.is_initialized():
         dist.all_reduce(tensor, op)
     return tensor
@@ -634,7 +635,7 @@ def check_flags(args):
     for name in positive:
         if getattr(args, name) <= 0:
             fail(f"--{name.replace('_', '-')} must be positive.")
-    # ranges (vLLM checks its own only at the first step, minutes in)
+    # ranges (vLLM checks its own at the first step)
     ranges = [
         ("--top-p", 0 < args.top_p <= 1, "(0, 1]"),
         ("--vllm-memory", 0 < args.vllm_memory <= 1, "(0, 1]"),
@@ -673,24 +674,23 @@ def parse_args(argv=None):
         p.add_argument(flag, default=default, help=help, **kwargs)
 
     add("--model", "Qwen/Qwen3-1.7B", "hub id or local directory")
-    add("--dtype", "bfloat16", "of the weights; LoRA and the loss are float32",
+    add("--dtype", "bfloat16", "of the weights; LoRA and the loss: float32",
         choices=["bfloat16", "float32"])
     add("--lora-r", 64, "LoRA's rank")
     add("--lora-alpha", 128.0, "LoRA's scale is alpha / r")
     add("--teacher", "base", "base: LoRA off; current: the student; ema: its EMA",
         choices=["base", "current", "ema"])
-    add("--ema-decay", 0.999, "the EMA teacher's decay (--teacher ema)")
+    add("--ema-decay", 0.999, "the EMA teacher's decay")
     add("--gradient-checkpointing", True, "less memory, more time")
-    add("--dataset", "siyanzhao/Openthoughts_math_30k_opsd",
-        "hub id, or a local .json, .jsonl or .parquet file")
+    add("--dataset", "siyanzhao/Openthoughts_math_30k_opsd", "hub id, or .json, .jsonl, .parquet")
     add("--dataset-split", "train", "of a hub dataset")
     add("--problem-column", "problem", "the problem, a string")
-    add("--context-column", "solution", "the teacher's reference, a string; a,b joins two")
+    add("--context-column", "solution", "the teacher's reference; a,b joins two")
     add("--data-select", "all", "hard: no source 'math', the longer half by "
         "generated_token_count", choices=["all", "hard"])
     add("--teacher-context", "reference", "the teacher's context: its row's, none, another "
         "row's, or its \\boxed{} answer", choices=TEACHER_CONTEXTS)
-    add("--student-prompt", "recipe", "recipe: 'Problem: ...'; eval: eval.py's prompt",
+    add("--student-prompt", "recipe", "recipe: 'Problem: ...'; eval: eval.py's",
         choices=["recipe", "eval"])
     add("--student-thinking", False, "the chat template's enable_thinking")
     add("--teacher-thinking", True, "the chat template's enable_thinking")
@@ -705,7 +705,7 @@ def parse_args(argv=None):
     add("--tau", 0.05, "the clip's threshold")
     add("--beta", 0.0, "0: forward KL, 1: reverse, between: a JSD")
     add("--loss-temperature", 1.1, "the loss divides logits by it")
-    add("--skip-first-tokens", 0, "answer positions left out of the loss; recommended: 1")
+    add("--skip-first-tokens", 0, "answer positions the loss skips; recommended: 1")
     add("--loss-chunk-size", 256, "positions whose logits exist at once")
     add("--max-steps", 100, "optimizer steps")
     add("--prompts-per-step", 32, "prompts a step, all ranks")
@@ -723,7 +723,7 @@ def parse_args(argv=None):
     add("--device", "auto", "auto: CUDA when torch sees it", choices=["auto", "cpu", "cuda"])
     add("--collective-timeout", 30.0, "minutes a rank waits for the others")
     add("--kl-window", 20_000, "answer tokens the logged means span")
-    add("--log-rollouts-every", 10, "steps; rank 0's answers to rollouts.jsonl; 0: never")
+    add("--log-rollouts-every", 10, "steps; rank 0's answers, rollouts.jsonl; 0: never")
     add("--wandb-project", None, "also log to wandb (pip install wandb)")
 
     args = p.parse_args(argv)
@@ -734,7 +734,7 @@ def parse_args(argv=None):
 # -- The run
 
 def main(argv=None):
-    run = {"argv": argv, "args": None, "step": None}  # for stop_cleanly
+    run = {"resume": resume_command(argv), "args": None, "step": None}  # before vLLM starts
     with stop_cleanly(run):
         args = parse_args(argv)
         run["args"] = args
@@ -747,8 +747,8 @@ def train(args, run):
     device = init_distributed(args)
     out_dir = Path(args.output_dir)
 
-    # ---- what a user can get wrong, before a model or vLLM loads
-    with ranks_agree(device):
+    # ---- what a user can get wrong, before a model loads
+    with ranks_agree():
         resume_from = check_output_dir(args)
         check_model(args)
         tokenizer, prompts = load_prompts(args)
@@ -759,9 +759,13 @@ def train(args, run):
             out_dir.mkdir(parents=True, exist_ok=True)
         except OSError as e:
             fail(f"--output-dir {out_dir}: {e.strerror}: choose another.")
+    print0(f"to resume: {run['resume']}")
 
     # ---- the model with LoRA, and this rank's vLLM engine
-    model, lora_params = load_model(args, device)
+    with ranks_agree():  # timed, unlike vLLM's start-up
+        if resume_from:
+            check_checkpoint(resume_from)
+        model, lora_params = load_model(args, device)
     optimizer = torch.optim.AdamW(lora_params, lr=args.lr, weight_decay=0.0)
     llm = start_engine(args, device)
     start_step = 0
@@ -770,15 +774,12 @@ def train(args, run):
     if resume_from:
         start_step, ema, window = restore(resume_from, model, lora_params, optimizer)
         push_weights(llm, model)
-        with ranks_agree(device):
+        with ranks_agree():
             check_push(llm, model)
         print0(f"resumed from {resume_from}")
     tracker = None
     if RANK == 0:
         tracker = open_run(args, start_step, args_record)
-    loss_kw = {
-        "beta": args.beta, "temperature": args.loss_temperature, "clip": args.clip,
-        "tau": args.tau, "chunk_size": args.loss_chunk_size}
     pad_id = tokenizer.pad_token_id
     if pad_id is None:
         pad_id = tokenizer.eos_token_id
@@ -801,7 +802,8 @@ def train(args, run):
         loss, stats = backward_step(
             model, lora_params, student_prompts, teacher_prompts, completions,
             pad_id=pad_id, micro_batch_size=args.micro_batch_size, teacher=args.teacher,
-            ema=ema, skip_first_tokens=args.skip_first_tokens, **loss_kw)
+            ema=ema, skip_first_tokens=args.skip_first_tokens, beta=args.beta, clip=args.clip,
+            temperature=args.loss_temperature, tau=args.tau, chunk_size=args.loss_chunk_size)
         grad_norm = torch.nn.utils.clip_grad_norm_(lora_params, args.max_grad_norm).item()
         check_finite(step, loss, grad_norm)
         lr = lr_at(step, lr=args.lr, max_steps=args.max_steps,
@@ -816,7 +818,7 @@ def train(args, run):
 
         # ---- update the inference engine's weights, and read them back
         push_weights(llm, model)
-        with ranks_agree(device):
+        with ranks_agree():
             check_push(llm, model)
         t3 = time.perf_counter()
 
@@ -842,10 +844,9 @@ def train(args, run):
             state = {"step": step + 1, "optimizer": optimizer.state_dict(),
                      "kl_window": list(window)}
             save_run_state(out_dir, model, lora_params, ema, args, state)
-            print(f"checkpoint-{step + 1}; to resume: {resume_command(run['argv'])}",
-                  flush=True)
+            print(f"checkpoint-{step + 1}; to resume: {run['resume']}", flush=True)
 
-    # ---- the end: no rank waits here, which a slow disk or wandb could time out
+    # ---- the end: no rank waits for a slow disk or wandb here
     if RANK == 0:
         save_run_state(out_dir, model, lora_params, ema, args)
         print(f"final adapter -> {out_dir / 'final'}", flush=True)
@@ -855,14 +856,14 @@ def train(args, run):
 
 
 def choose_attention_kernels():
-    """Not cuDNN's attention: NaN for a row whose keys are all masked."""
+    """Not cuDNN's: NaN for a row whose keys are all masked."""
     torch.backends.cuda.enable_flash_sdp(True)
     torch.backends.cuda.enable_mem_efficient_sdp(True)
     torch.backends.cuda.enable_math_sdp(True)
     torch.backends.cuda.enable_cudnn_sdp(False)
 
 
-# In-process engine (to take the weights' generator); no TF32 (for the read-back)
+# the engine in this process (it takes a generator); no TF32 (the read-back)
 PUSH_ENVIRONMENT = {
     "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_FLOAT32_MATMUL_PRECISION": "highest"}
 
@@ -870,15 +871,14 @@ PUSH_ENVIRONMENT = {
 def init_distributed(args):
     device = torch.device("cpu")
     if args.device != "cpu" and torch.cuda.is_available():
-        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+        device = torch.device("cuda", LOCAL_RANK)
         torch.cuda.set_device(device)  # vLLM builds its engine on it
     choose_attention_kernels()
     if WORLD_SIZE > 1:
         timeout = timedelta(minutes=args.collective_timeout)
         if device.type == "cuda":
-            # device_id: NCCL's communicator now; at the first collective it could wait
-            # forever for a rank that died
-            dist.init_process_group("nccl", timeout=timeout, device_id=device)
+            # gloo (CPU tensors) connects first, timed; NCCL's connect (now: device_id) is not
+            dist.init_process_group("cpu:gloo,cuda:nccl", timeout=timeout, device_id=device)
         else:
             dist.init_process_group("gloo", timeout=timeout)
     os.environ.update(PUSH_ENVIRONMENT)
@@ -907,7 +907,7 @@ LOCAL_FORMATS = {".json": "json", ".jsonl": "json", ".parquet": "parquet"}
 
 
 def load_rows(dataset, split, problem_column, context_column, data_select="all"):
-    """[(problem, context)]; `context_column` a,b joins two columns' texts."""
+    """[(problem, context)]; `context_column` a,b joins two."""
     import datasets
     datasets.disable_progress_bars()
     datasets.logging.set_verbosity(datasets.logging.CRITICAL)
@@ -919,8 +919,9 @@ def load_rows(dataset, split, problem_column, context_column, data_select="all")
             table = datasets.load_dataset(dataset, split=split)
     except Exception as e:  # datasets' words, or none
         words = str(e.__cause__ or e).strip() or "no rows"
-        fail(f"--dataset {dataset}: {words} (a hub id needs network; else give a local "
-             ".json, .jsonl or .parquet file)")
+        if not builder:
+            words += " (a hub id needs network; else give a local .json, .jsonl or .parquet file)"
+        fail(f"--dataset {dataset}: {words}")
     contexts = [c.strip() for c in context_column.split(",")]
     needed = {column: "--context-column" for column in contexts}  # column: its flag
     needed[problem_column] = "--problem-column"
@@ -934,15 +935,12 @@ def load_rows(dataset, split, problem_column, context_column, data_select="all")
     rows = table.to_list()
     if not rows:
         fail(f"--dataset {dataset} holds no rows.")
+    kinds = {"generated_token_count": ((int, float), "a number")}
     for number, row in enumerate(rows, 1):
         for column in needed:
+            kind, noun = kinds.get(column, (str, "a string"))
             value = row[column]
-            noun = "a string"
-            ok = isinstance(value, str)
-            if column == "generated_token_count":
-                noun = "a number"
-                ok = isinstance(value, (int, float)) and not isinstance(value, bool)
-            if not ok:
+            if not isinstance(value, kind) or isinstance(value, bool):
                 fail(f"--dataset {dataset}, row {number}: {column!r} is {value!r}, not {noun}: "
                      "fix or drop the row.")
     if data_select == "hard":
@@ -951,7 +949,7 @@ def load_rows(dataset, split, problem_column, context_column, data_select="all")
 
 
 def select_hard(rows):
-    """The recipe's hard rows: no source 'math' (KL near zero), the longer half."""
+    """No source 'math' (KL near zero), the longer half."""
 
     kept = [r for r in rows if r["source"] != "math"]
     if not kept:
@@ -1009,7 +1007,6 @@ def save_adapter(model, out_dir, base_model_name_or_path):
         "peft_type": "LORA", "task_type": "CAUSAL_LM", "r": first.r, "lora_alpha": first.alpha,
         "base_model_name_or_path": str(base_model_name_or_path),
         "target_modules": sorted({name.rsplit(".", 1)[-1] for name in layers})}
-    out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     save_file(tensors, str(out_dir / ADAPTER_WEIGHTS))
     (out_dir / "adapter_config.json").write_text(json.dumps(config, indent=2) + "\n")
@@ -1034,7 +1031,7 @@ def restore(checkpoint, model, lora_params, optimizer):
 
 
 def save_run_state(out_dir, model, lora_params, ema, args, state=None):
-    """checkpoint-<step>/ (with `state`) or final/, written aside, then renamed."""
+    """checkpoint-<step>/ or final/, written aside, then renamed."""
     name = "final"
     if state:
         name = f"checkpoint-{state['step']}"
@@ -1047,7 +1044,7 @@ def save_run_state(out_dir, model, lora_params, ema, args, state=None):
             save_adapter(model, tmp / "ema", args.model)
     if state is not None:
         torch.save(state, tmp / "trainer_state.pt")
-    # flushed before the rename, and the rename after it
+    # flushed before the rename, and it after
     for path in [*tmp.rglob("*"), tmp]:
         flush(path)
     shutil.rmtree(target, ignore_errors=True)
@@ -1124,8 +1121,7 @@ def log_step(args, record, rollouts, tracker):
     out_dir = Path(args.output_dir)
     line = STEP_LINE.format(**record, max_steps=args.max_steps)
     if record["logprob_gap_mean"] > GAP_ALARM[args.dtype]:
-        line += (f" <- gap above the {args.dtype} noise floor measured on CPU: stale "
-                 "weights or wrong positions?")
+        line += f" <- gap above the {args.dtype} noise floor measured on CPU"
     print(line, flush=True)
     with open(out_dir / "metrics.jsonl", "a") as f:
         f.write(json.dumps(record) + "\n")
@@ -1177,8 +1173,8 @@ def check_output_dir(args):
                  "continue it, or --overwrite to replace it.")
         return None
     if not (out_dir / "args.json").is_file():
-        fail(f"--resume: {out_dir} holds no run (no args.json); across nodes every rank "
-             "must see one --output-dir.")
+        fail(f"--resume: {out_dir} holds no run (no args.json): every rank must see one "
+             "--output-dir.")
     if (out_dir / "final").exists():
         fail(f"--resume: the run in {out_dir} has finished: choose a new --output-dir.")
     checkpoint = latest_checkpoint(out_dir)
@@ -1187,8 +1183,27 @@ def check_output_dir(args):
     return checkpoint
 
 
+def check_checkpoint(checkpoint):
+    """Alike on all ranks; each file loads."""
+    step = int(checkpoint.name.split("-")[1])
+    steps = all_reduce(torch.tensor([step, -step]), dist.ReduceOp.MAX).tolist()
+    if steps[0] != -steps[1]:
+        fail(f"--resume: ranks see checkpoints {-steps[1]} to {steps[0]} as the newest: "
+             "use one --output-dir.")
+    try:
+        ema = checkpoint.glob(f"ema/{ADAPTER_WEIGHTS}")
+        for path in [checkpoint / "trainer_state.pt", checkpoint / ADAPTER_WEIGHTS, *ema]:
+            if path.suffix == ".pt":
+                torch.load(path, map_location="cpu", weights_only=True)
+            else:
+                load_file(path)
+    except Exception as e:
+        fail(f"--resume: {path} does not load ({str(e).split('. ')[0]}): move {checkpoint.name} "
+             "aside to resume from the one before.")
+
+
 def run_record(args, prompts, device):
-    """args.json: the flags, the prompts' ids, the model's files, the device type."""
+    """args.json: the flags, prompts' ids, model files, device type."""
     ids = hashlib.sha256()
     for student, teacher in prompts:
         ids.update(array("q", [len(student), len(teacher), *student, *teacher]).tobytes())
@@ -1211,8 +1226,7 @@ def check_resume(args_record, out_dir):
 
 
 def model_fingerprint(model):
-    """sha256 of config.json and each weight file's name, size and 16 spread 64 KiB
-    samples (a file under 1 MiB whole); None without local weights."""
+    """sha256 of config.json and samples of each weight file; None without local weights."""
     folder = model_dir(model)
     if folder is None or not (folder / "config.json").is_file():
         return None
@@ -1248,7 +1262,7 @@ def model_dir(model):
     return Path(config).parent.resolve()
 
 
-# -- The model: logits = final hidden @ lm_head.weight^T, LoRA's targets, device
+# -- The model: its logits, LoRA's targets, the device
 
 def check_model(args):
     from transformers import AutoConfig, AutoModelForCausalLM
@@ -1280,15 +1294,15 @@ def check_model(args):
 
 
 def missing_lora_targets(model):
-    """None, or which decoder layers (numbered modules) lack which targets as nn.Linear."""
-    by_layer = {}  # layer number -> the names of its linear layers
+    """None, or which decoder layers lack which targets as nn.Linear."""
+    by_layer = {}  # layer number -> its linear layers' names
     for name, m in model.named_modules():
         number = re.search(r"\.(\d+)\.", name)
         if isinstance(m, nn.Linear) and number:
             by_layer.setdefault(int(number[1]), set()).add(name.rsplit(".", 1)[-1])
     if not by_layer:
         return "its decoder layers hold no nn.Linear"
-    lacking = {}  # the targets a layer lacks -> the layers that lack them
+    lacking = {}  # targets missing -> the layers that miss them
     for number, names in sorted(by_layer.items()):
         missing = ", ".join(t for t in LORA_TARGETS if t not in names)
         if missing:
@@ -1308,7 +1322,7 @@ def check_cuda_build():
 
 @torch.no_grad()
 def check_logits_path(model):
-    """None if final_hidden @ lm_head.weight^T are the model's logits on a probe, else why."""
+    """None if final_hidden @ lm_head.weight^T are the logits on a probe, else why."""
     W = model.get_output_embeddings().weight
     if getattr(model.get_output_embeddings(), "bias", None) is not None:
         return "its lm_head has a bias"
@@ -1338,8 +1352,8 @@ def fingerprint(weight):
 
 @torch.no_grad()
 def engine_fingerprints(model):
-    """In vLLM's worker: each linear layer's fingerprint, read by sampling's GEMM on
-    the identity (I W^T = W^T), stacked layers split."""
+    """In vLLM's worker: each linear layer's fingerprint, read by its GEMM on the identity
+    (I W^T = W^T), stacked layers split."""
     from vllm.model_executor.layers.linear import LinearBase
     stacked = getattr(model, "packed_modules_mapping", {})
     prints = {}
@@ -1368,11 +1382,11 @@ def check_finite(step, loss, grad_norm):
              "stopped before the update: try a lower --lr.")
 
 
-# -- When a run stops early: a refusal said once, a failed rank ended at once
+# -- When a run stops: a refusal agreed, a failure at once
 
-def say(text, every_rank_has_it=False):
-    """Print (rank 0 alone if every rank has it), and leave it for torchrun's report."""
-    if RANK == 0 or not every_rank_has_it:
+def say(text, all_ranks=False):
+    """Print (once a node if all ranks say it); also for torchrun's report."""
+    if LOCAL_RANK == 0 or not all_ranks:
         print(text, file=sys.stderr, flush=True)
     path = os.environ.get("TORCHELASTIC_ERROR_FILE")
     if path:
@@ -1380,27 +1394,23 @@ def say(text, every_rank_has_it=False):
 
 
 @contextmanager
-def ranks_agree(device):
-    """If any rank refused, all stop: rank 0 says its refusal, else each refusing rank."""
+def ranks_agree():
+    """All refuse with the first refusal, naming its rank if not all's."""
 
     problem = None
     try:
         yield
     except Refusal as e:
         problem = str(e)
-    refused = int(problem is not None)
-    # one MAX over ranks: did rank 0 refuse, did any
-    flags = torch.tensor([int(RANK == 0 and refused), refused], device=device)
-    rank_0_refused, any_refused = all_reduce(flags, dist.ReduceOp.MAX).tolist()
-    if not any_refused:
-        return
-    if rank_0_refused:
-        say(f"opsd.py: error: {problem}", every_rank_has_it=True)
-    elif problem:
-        say(f"opsd.py: error: rank {RANK}: {problem}")
-    else:
-        time.sleep(2)  # the refusing ranks end first, so torchrun's report names one
-    raise SystemExit(2)
+    problems = [problem] * WORLD_SIZE
+    if dist.is_initialized():
+        dist.all_gather_object(problems, problem)
+    refusals = [(rank, p) for rank, p in enumerate(problems) if p]
+    if refusals:
+        rank, problem = refusals[0]
+        if len(set(problems)) > 1:
+            problem = f"rank {rank}: {problem}"
+        fail(problem)
 
 
 def resume_command(argv):
@@ -1424,7 +1434,7 @@ def stop_cleanly(run):
     try:
         yield
     except Refusal as e:
-        say(f"opsd.py: error: {e}", every_rank_has_it=True)
+        say(f"opsd.py: error: {e}", all_ranks=True)
         raise SystemExit(2)
     except (Exception, KeyboardInterrupt) as e:
         signal.signal(signal.SIGINT, signal.SIG_IGN)  # torchrun passes Ctrl-C on: once is enough
@@ -1434,13 +1444,9 @@ def stop_cleanly(run):
         last = None
         if run["args"]:
             last = latest_checkpoint(run["args"].output_dir)
-        if interrupted:
-            # each checkpoint's line holds it too, for when rank 0 cannot print
-            resume = "no checkpoint yet, so nothing to resume"
-            if last:
-                resume = f"the last checkpoint is {last}; continue with: "
-                resume += resume_command(run["argv"])
-            print0(f"opsd.py: interrupted {where}; {resume}", file=sys.stderr)
+        if interrupted:  # also printed at the start: rank 0 may not get here
+            print0(f"opsd.py: interrupted {where} (the last checkpoint is {last}); to resume: "
+                   f"{run['resume']}", file=sys.stderr)
             os._exit(130)
         hint = ""
         if isinstance(e, torch.OutOfMemoryError):
@@ -1448,7 +1454,7 @@ def stop_cleanly(run):
         # a failed collective is this rank's error too
         say(f"opsd.py: rank {RANK}: error {where} (the last checkpoint is {last}){hint}:\n"
             f"{traceback.format_exc()}")
-        os._exit(1)  # not through vLLM's teardown, which could wait for others
+        os._exit(1)  # past vLLM's teardown, which could wait for others
     finally:
         signal.signal(signal.SIGINT, previous)
 

@@ -1,12 +1,12 @@
 """opsd.py with one fault on rank 1 alone, for tests/test_ranks.py and tests/test_train.py (not collected by pytest):
 
-    FAULT=oom|bug|kill|hang|data:PATH|output-dir:PATH|slow-final torchrun --nproc_per_node 2 tests/fault_launch.py OPSD_FLAGS...
+    FAULT=oom|bug|kill|hang|early|data:PATH|output-dir:PATH|slow-final torchrun --nproc_per_node 2 tests/fault_launch.py ...
 
 data:PATH and output-dir:PATH give rank 1 another --dataset or --output-dir (a file that is not there, a corrupt one,
 a directory the other rank does not see); oom raises torch.OutOfMemoryError in rank 1's third step, bug a RuntimeError, kill sends
-rank 1 SIGKILL there, hang SIGSTOP (a rank that neither answers nor ends); slow-final makes rank 0's final save
-take 5 s longer. Rank 1 prints "fault at <unix time> in
-<pid>" to stderr just before its fault."""
+rank 1 SIGKILL there, hang SIGSTOP (a rank that neither answers nor ends); early makes rank 1 refuse before the process
+group exists (as on a node whose torch is a CPU build); slow-final makes rank 0's final save take 5 s longer. Rank 1
+prints "fault at <unix time> in <pid>" to stderr just before its fault."""
 
 import os
 import signal
@@ -32,7 +32,12 @@ if kind == "slow-final" and os.environ["RANK"] == "0":
 elif kind == "slow-final":
     pass
 elif os.environ["RANK"] == "1":
-    if kind in ("data", "output-dir"):
+    if kind == "early":
+        def refuse_before_the_group(args):
+            print(f"fault at {time.time()} in {os.getpid()}", file=sys.stderr, flush=True)
+            opsd.fail("a test's refusal before the process group exists")
+        opsd.init_distributed = refuse_before_the_group
+    elif kind in ("data", "output-dir"):
         flag = "--dataset" if kind == "data" else "--output-dir"
         sys.argv[sys.argv.index(flag) + 1] = value
     else:

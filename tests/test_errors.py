@@ -68,8 +68,8 @@ def test_bad_paths(base, tmp_path, capsys):
     typo = str(tmp_path / "tiny-qwn3")  # a local path that does not exist: no hub lookup, no retries
     err = error_of(base + ["--model", typo], capsys)  # transformers' words, then ours
     assert f"--model {typo}: cannot load its config (" in err and "give a model directory that exists" in err
-    missing = str(tmp_path / "nope.jsonl")
-    assert f"--dataset {missing}: Unable to find" in error_of(base + ["--dataset", missing], capsys)
+    missing = str(tmp_path / "nope.jsonl")  # a local file: no word of the hub
+    assert error_of(base + ["--dataset", missing], capsys) == f"opsd.py: error: --dataset {missing}: Unable to find '{missing}'\n"
     blocked = write(tmp_path / "a-file", "")  # a directory cannot be made under a file
     err = error_of(base + ["--output-dir", f"{blocked}/run"], capsys)
     assert f"--output-dir {blocked}/run: Not a directory: choose another." in err
@@ -77,11 +77,12 @@ def test_bad_paths(base, tmp_path, capsys):
 
 def test_bad_data_files(base, tmp_path, capsys):
     empty = write(tmp_path / "empty.jsonl", "")
-    assert f"--dataset {empty}: no rows (a hub id needs network" in error_of(base + ["--dataset", empty], capsys)
+    assert error_of(base + ["--dataset", empty], capsys) == f"opsd.py: error: --dataset {empty}: no rows\n"
     row = json.dumps({"problem": "p", "solution": "s"})
     broken = write(tmp_path / "broken.jsonl", f"{row}\n{row}\n{{\"problem\": \"p\", \n")
-    # datasets' parser counts rows from 0: its row 2 is the third line
-    assert f"--dataset {broken}: JSON parse error: " in error_of(base + ["--dataset", broken], capsys)
+    # datasets' words (its parser counts rows from 0), and no word of the hub for a local file
+    err = error_of(base + ["--dataset", broken], capsys)
+    assert err.startswith(f"opsd.py: error: --dataset {broken}: JSON parse error: ") and "hub" not in err
     null = write(tmp_path / "null.jsonl", f"{row}\n" + json.dumps({"problem": "p", "solution": None}) + "\n")
     assert f"--dataset {null}, row 2: 'solution' is None, not a string: fix or drop the row." in error_of(
         base + ["--dataset", null], capsys)
@@ -98,8 +99,7 @@ def test_one_sentence_once_under_torchrun_without_a_traceback_of_ours(tiny_model
            "--model", tiny_model_dir, "--dataset", empty, "--device", "cpu", "--output-dir", str(tmp_path / "out")]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert proc.returncode != 0
-    sentence = (f"opsd.py: error: --dataset {empty}: no rows (a hub id needs network; else give a local .json, "
-                ".jsonl or .parquet file)")
+    sentence = f"opsd.py: error: --dataset {empty}: no rows"  # every rank's: said without a rank
     lines = proc.stderr.splitlines()
     assert lines.count(sentence) == 1, proc.stderr[-3000:]  # said once, on a line of its own
     assert "opsd.py\", line" not in proc.stderr  # torchrun reports the failed ranks; no frame of ours is printed

@@ -1,7 +1,7 @@
 # python -m pytest tests/test_eval_cli.py -q
-"""eval.py as a new user meets it, through its command line: without network the default benchmarks are refused in
-a few seconds, in one sentence naming the offline way, before any engine starts; a real run on the tiny model
-prints its progress and table, not vLLM's log, and ends without vLLM warning that its engine died."""
+"""eval.py as a new user meets it, through its command line: without network the default benchmarks, or a hub model,
+are refused in a few seconds, in one sentence naming the offline way, before any engine starts; a real run on the
+tiny model prints its progress and table, not vLLM's log, and ends without vLLM warning that its engine died."""
 
 import os
 import subprocess
@@ -40,6 +40,15 @@ def test_without_network_the_default_benchmarks_are_refused_at_once(tmp_path, of
                          "problem and answer columns).") and "Traceback" not in out.stderr
     assert seconds < 10
     assert not (tmp_path / "out").exists()  # refused before an output directory, let alone an engine
+
+
+def test_a_hub_model_without_network_is_refused_in_one_sentence(tmp_path):
+    # was vLLM's 79-line traceback; an empty cache, so no copy of the model can stand in
+    out, _ = eval_py(["--model", "nobody/no-such-model", "--data", f"tiny={DATA}", "--output-dir", str(tmp_path / "out")],
+                     HF_HOME=str(tmp_path / "hf"), HF_HUB_OFFLINE="1")
+    assert out.returncode == 2 and out.stderr.count("\n") == 1, out.stderr[-3000:]
+    assert out.stderr.startswith("eval.py: error: --model nobody/no-such-model: cannot load its config (")
+    assert out.stderr.endswith("; without network, pass a local model directory.\n")
 
 
 def test_a_run_prints_its_progress_and_table_not_vllms_log(tiny_model_dir, tmp_path):
