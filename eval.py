@@ -333,13 +333,13 @@ def baseline_shares(directory, problems, scored):
     path = Path(directory) / "samples.jsonl"
     if not path.is_file():
         fail(f"--baseline {directory}: no samples.jsonl there; pass an --output-dir that eval.py wrote.")
-    mine = [s for s in read_samples(path, repair=False).values()
-            if s["benchmark"] in scored and s["problem"] in scored[s["benchmark"]]]
-    for s in mine:
+    shared = [s for s in read_samples(path, repair=False).values()
+              if s["benchmark"] in scored and s["problem"] in scored[s["benchmark"]]]
+    for s in shared:
         if s.get("hash") != problems[s["benchmark"]][s["problem"]]["hash"]:
             fail(f"--baseline {directory} scored another {s['benchmark']} problem {s['problem']} than this run: "
                  "compare runs of the same problems.")
-    shares = shares_correct(mine)
+    shares = shares_correct(shared)
     for b in scored:
         for i in scored[b]:
             if (b, i) not in shares:

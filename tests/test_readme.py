@@ -144,8 +144,6 @@ def test_the_readme_times_are_budget_py_s_for_the_commands_it_shows():
     the 5-step try and eval.py --limit 2; on four the training command, and eval.py with the --tensor-parallel-size
     its eval commands carry; the check's own estimate; the stage and the day added up."""
     import re
-    import subprocess
-    import sys
 
     readme = (ROOT / "README.md").read_text()
     section = readme.split("\n## Training on GPUs", 1)[1].split("\n## ", 1)[0]
@@ -160,12 +158,16 @@ def test_the_readme_times_are_budget_py_s_for_the_commands_it_shows():
     evals = [line for line in readme.splitlines() if line.strip().startswith("python eval.py --model Qwen/")]
     assert evals and all("--tensor-parallel-size 4 " in line for line in evals if "--limit" not in line), evals
 
-    def budget(*argv):
-        proc = subprocess.run([sys.executable, "tests/gpu_check/budget.py", "--config",
-                               "tests/gpu_check/configs/Qwen3-1.7B.json", *argv],
-                              capture_output=True, text=True, cwd=ROOT, timeout=300)
-        assert proc.returncode == 0, proc.stderr[-2000:]
-        return proc.stdout
+    def budget(*argv):  # in this process: torch and transformers imported once for the four
+        from contextlib import redirect_stdout
+        from io import StringIO
+
+        import budget
+
+        out = StringIO()
+        with redirect_stdout(out):
+            assert budget.main(["--config", str(ROOT / "tests/gpu_check/configs/Qwen3-1.7B.json"), *argv]) == 0
+        return out.getvalue()
 
     def expected(out, label):
         """(hours, GPU-hours) of the line of `out` holding `label`."""
