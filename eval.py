@@ -9,9 +9,12 @@ The protocol (the OPSD paper's released one), departures from it, restarts and a
 import argparse
 import hashlib
 import json
+import math
 import os
+import statistics
 import sys
 import threading
+import time
 from collections import Counter, defaultdict
 from pathlib import Path
 
@@ -69,6 +72,8 @@ def parse_args(argv=None):
                         "of objects) or .parquet, a row per problem: a problem column and an answer column, not null")
     g.add_argument("--problem-column", default="problem", help="column holding the problem text")
     g.add_argument("--answer-column", default="answer", help="column holding the reference answer")
+    g.add_argument("--limit", type=AT_LEAST_1, help="score each benchmark's first LIMIT problems only, and project "
+                   "the whole evaluation's hours from this run's answer length and rate (None: all problems)")
     g = p.add_argument_group("sampling")
     g.add_argument("--n", type=AT_LEAST_1, default=12, help="samples per problem")
     g.add_argument("--temperature", type=NON_NEGATIVE, default=1.0, help="sampling temperature")
@@ -77,6 +82,8 @@ def parse_args(argv=None):
     g.add_argument("--thinking", action=argparse.BooleanOptionalAction, default=True, help="enable_thinking")
     g.add_argument("--seed", type=int, default=42, help="root of every per-sample seed")
     p.add_argument("--output-dir", required=True, default=argparse.SUPPRESS, help="for samples, summary and config")
+    p.add_argument("--baseline", metavar="DIR", help="another run's --output-dir, of the same problems (the base "
+                   "model's, say): the difference in avg@n from it, paired by problem, with its standard error")
     return p.parse_args(argv)
 
 
@@ -120,7 +127,9 @@ def start_engine(args):
     return llm, (LoRARequest("adapter", 1, str(Path(args.adapter).resolve())) if args.adapter else None)
 
 def draw(args, problems, todo, out_dir, config):
-    """Sample every (benchmark, problem, sample) in `todo`, appending each record as it finishes."""
+    """Sample every (benchmark, problem, sample) in `todo`, appending each record as it finishes. Returns the
+    seconds to start (engine and tokenizer) and the seconds of sampling."""
+    started = time.perf_counter()
     llm, lora = start_engine(args)
     from transformers import AutoTokenizer
     from vllm.inputs import TokensPrompt
@@ -129,6 +138,7 @@ def draw(args, problems, todo, out_dir, config):
     (out_dir / "config.json").write_text(json.dumps(config, indent=2) + "\n")  # once up, before any sample exists
     # The engine's own loop, not llm.generate(): a sample is written as it finishes, a kill loses those in flight.
     engine = llm.llm_engine
+    sampling = time.perf_counter()
     for k, (b, i, j) in enumerate(todo):
         params = SamplingParams(temperature=args.temperature, top_p=args.top_p, max_tokens=args.max_new_tokens,
                                 seed=sample_seed(args.seed, b, i, j), output_kind=RequestOutputKind.FINAL_ONLY)
@@ -151,8 +161,10 @@ def draw(args, problems, todo, out_dir, config):
                 finished += 1
                 if finished % max(1, len(todo) // 20) == 0 or finished == len(todo):
                     print(f"{finished}/{len(todo)} samples", flush=True)
+    sampled = time.perf_counter()
     # Stopped here: left to vLLM's exit handlers, the engine process is killed and reported "exited unexpectedly".
     engine.engine_core.shutdown(timeout=60)
+    return sampling - started, sampled - sampling
 
 
 # -----------------------------------------------------------------------------
@@ -246,7 +258,12 @@ def evaluate(args):
     if args.adapter:
         check_adapter(args.adapter, args.model, args.allow_other_base)
     problems = {b: load_problems(b, src, args.problem_column, args.answer_column) for b, src in sources.items()}
-    wanted = [(b, i, j) for b in problems for i in range(len(problems[b])) for j in range(args.n)]
+    # --limit: each benchmark's first problems (a rerun without it draws the others into the same directory)
+    scored = {b: range(len(problems[b][:args.limit])) for b in problems}
+    wanted = [(b, i, j) for b in problems for i in scored[b] for j in range(args.n)]
+    baseline = None
+    if args.baseline:
+        baseline = baseline_shares(args.baseline, problems, scored)
     out_dir = Path(args.output_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     samples_path = out_dir / "samples.jsonl"
@@ -258,16 +275,119 @@ def evaluate(args):
     check_resume(out_dir, config, problems, done)
     todo = [key for key in wanted if key not in done]
     print(f"{len(wanted) - len(todo)} of {len(wanted)} samples already in {samples_path}")
+    seconds = None
     if todo:
-        draw(args, problems, todo, out_dir, config)
+        seconds = draw(args, problems, todo, out_dir, config)
     # The summary reads the file back, not this process's memory: exactly what a restarted run sees.
     done = read_samples(samples_path)
     assert all(key in done for key in wanted), f"samples missing from {samples_path}"
-    summary = {"config": {**config, "n": args.n, "benchmarks": sources},
-               "metrics": summarize([done[key] for key in wanted], args.n)}
-    (out_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    samples = [done[key] for key in wanted]
+    summary = {"config": {**config, "n": args.n, "limit": args.limit, "benchmarks": sources},
+               "metrics": summarize(samples, args.n)}
     print(format_table(summary["metrics"], args.n))
+    if args.limit:
+        whole = args.n * sum(len(p) for p in problems.values())
+        summary["cost"] = measure_cost(summary["metrics"]["all"], [done[key] for key in todo], seconds, whole)
+    if baseline:
+        summary["baseline"] = {"dir": args.baseline, "metrics": compare(samples, baseline, args.n)}
+        print(format_comparison(summary["baseline"], args.n))
+    (out_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     return summary
+
+
+# -----------------------------------------------------------------------------
+# What an evaluation costs, measured on a few problems (--limit) before the whole is paid for.
+
+def measure_cost(measured, drawn, seconds, whole):
+    """This run's mean answer length and rate, and the whole evaluation's hours projected from them: `whole`
+    answers of that mean length at the rate this run drew its own, after a start as long as its own. Printed."""
+    if not drawn:
+        print("cost: no sample was drawn by this run, so no rate was measured: use a new --output-dir to measure.")
+        return None
+    start_s, sampling_s = seconds
+    tokens = sum(s["tokens"] for s in drawn)
+    rate = tokens / sampling_s
+    hours = (start_s + whole * measured["mean_tokens"] / rate) / 3600
+    print(f"cost: {measured['samples']:,} answers of {measured['mean_tokens']:,.0f} tokens on average; "
+          f"{tokens:,} tokens drawn in {sampling_s:,.1f} s ({rate:,.0f} tokens/s), after {start_s:,.1f} s to start")
+    print(f"the whole evaluation, {whole:,} answers at this rate: {hours:.2f} h on this machine, an estimate (a "
+          "longer run keeps more answers going at once, faster per token); for other GPUs, pass --answer-tokens "
+          f"{round(measured['mean_tokens'])} to tests/gpu_check/budget.py --eval")
+    return {"mean_tokens": measured["mean_tokens"], "drawn_tokens": tokens, "start_seconds": start_s,
+            "sampling_seconds": sampling_s, "tokens_per_second": rate, "whole_answers": whole,
+            "projected_hours": hours}
+
+
+# -----------------------------------------------------------------------------
+# Two runs of the same problems compared problem by problem: a checkpoint against its base model, say.
+
+# Problems as a sample: the standard error says whether this run beats the baseline on problems like these; each
+# problem's difficulty, common to both runs, cancels in d_i, and each share's sampling noise stays in sd(d_i).
+NOISE_MODEL = ("d_i = this run's share correct on problem i minus the baseline's; the difference is mean(d_i), its "
+               "standard error sd(d_i) / sqrt(N) over the N problems, beyond noise when over 2 standard errors")
+
+def shares_correct(samples):
+    """{(benchmark, problem): the share of its samples graded correct}."""
+    graded = defaultdict(list)
+    for s in samples:
+        graded[s["benchmark"], s["problem"]].append(s["correct"])
+    return {key: sum(c) / len(c) for key, c in graded.items()}
+
+def baseline_shares(directory, problems, scored):
+    """shares_correct of another run's samples on this run's problems, refused unless it scored each of them and
+    the same one (its problem and answer, hashed); read, never rewritten."""
+    path = Path(directory) / "samples.jsonl"
+    if not path.is_file():
+        fail(f"--baseline {directory}: no samples.jsonl there; pass an --output-dir that eval.py wrote.")
+    shared = [s for s in read_samples(path, repair=False).values()
+              if s["benchmark"] in scored and s["problem"] in scored[s["benchmark"]]]
+    for s in shared:
+        if s.get("hash") != problems[s["benchmark"]][s["problem"]]["hash"]:
+            fail(f"--baseline {directory} scored another {s['benchmark']} problem {s['problem']} than this run: "
+                 "compare runs of the same problems.")
+    shares = shares_correct(shared)
+    for b in scored:
+        for i in scored[b]:
+            if (b, i) not in shares:
+                fail(f"--baseline {directory} holds no sample of {b} problem {i}: compare runs of the same "
+                     "problems.")
+    return shares
+
+def compare(samples, baseline, n):
+    """Per benchmark and pooled ('all'): avg@n here and the baseline's on the same problems, their difference and
+    its paired standard error (NOISE_MODEL; None for one problem), and whether it is beyond noise."""
+    shares = shares_correct(samples)
+    by_benchmark = defaultdict(list)
+    for (b, i), share in shares.items():
+        by_benchmark[b].append((share, baseline[b, i]))
+    by_benchmark["all"] = [pair for pairs in list(by_benchmark.values()) for pair in pairs]
+    table = {}
+    for name, pairs in by_benchmark.items():
+        d = [here - there for here, there in pairs]
+        difference = sum(d) / len(d)
+        error = None
+        if len(d) > 1:
+            error = statistics.stdev(d) / math.sqrt(len(d))
+        table[name] = {"problems": len(d), f"avg@{n}": sum(here for here, _ in pairs) / len(d),
+                       "baseline": sum(there for _, there in pairs) / len(d), "difference": difference,
+                       "standard_error": error, "beyond_noise": error is not None and abs(difference) > 2 * error}
+    return table
+
+def format_comparison(comparison, n):
+    cols = ("problems", f"avg@{n}", "baseline", "difference", "std. error", "beyond noise")
+    lines = [f"against {comparison['dir']}, paired by problem: {NOISE_MODEL}.",
+             f"{'benchmark':<12}" + "".join(f"{c:>13}" for c in cols[:-1]) + f"{cols[-1]:>14}"]
+    for name, m in comparison["metrics"].items():
+        error = "-"
+        if m["standard_error"] is not None:
+            error = f"{100 * m['standard_error']:.1f}"
+        beyond = "no"
+        if m["beyond_noise"]:
+            beyond = "yes"
+        cells = [f"{m['problems']:d}", f"{100 * m[f'avg@{n}']:.1f}", f"{100 * m['baseline']:.1f}",
+                 f"{100 * m['difference']:+.1f}", error, beyond]
+        lines.append(f"{name:<12}" + "".join(f"{c:>13}" for c in cells[:-1]) + f"{cells[-1]:>14}")
+    return "\n".join(lines)
 
 # =============================================================================
 # What keeps an evaluation honest
@@ -374,8 +494,9 @@ def load_problems(name, source, problem_column, answer_column):
 # Resume, and contents rather than paths: samples.jsonl is the only state; a restart refuses samples drawn under
 # other settings, problems or weights (a fingerprint of the model's files, a hash of the adapter's); adapters must fit.
 
-def read_samples(path):
-    """Records by (benchmark, problem, sample); a line cut by a kill is dropped, so none is appended to a fragment."""
+def read_samples(path, repair=True):
+    """Records by (benchmark, problem, sample); a line cut by a kill is dropped, and with `repair` the file rewritten
+    without it, so none is appended to a fragment."""
     done, broken = {}, 0
     for line in path.read_text().splitlines() if path.exists() else []:
         try:
@@ -383,7 +504,7 @@ def read_samples(path):
             done[s["benchmark"], s["problem"], s["sample"]] = s
         except (json.JSONDecodeError, TypeError, KeyError):
             broken += 1
-    if broken:
+    if broken and repair:
         print(f"dropping {broken} unreadable line(s) of {path}")
         # written whole, then renamed: a kill now cannot lose the good lines
         opsd.write_atomically(path, "".join(json.dumps(s) + "\n" for s in done.values()))

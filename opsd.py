@@ -88,14 +88,12 @@ TRANSITION = (
 
 
 def student_message(problem, prompt="recipe"):
-    """The recipe's student message, or (prompt="eval") its evaluation's."""
     if prompt == "eval":
         return f"{problem}\n\n{INSTRUCTION}"
     return f"Problem: {problem}\n\n{INSTRUCTION}"
 
 
 def teacher_message(problem, context):
-    """The problem, then the reference solution; without one, the student's message."""
     if context is None:
         return student_message(problem)
     return (
@@ -241,7 +239,6 @@ def add_lora(model, r, alpha, seed=0, targets=LORA_TARGETS):
 
 @torch.no_grad()
 def merged_weights(model):
-    """(HF parameter name, merged weight), one layer at a time."""
     for name, m in lora_layers(model).items():
         yield f"{name}.weight", m.merged_weight()
 
@@ -329,7 +326,6 @@ def lora_disabled(model):
 @contextmanager
 @torch.no_grad()
 def lora_values(lora_params, values):
-    """Run with the EMA teacher's LoRA values, then the student's again."""
     student = [p.detach().clone() for p in lora_params]
     for p, v in zip(lora_params, values):
         p.copy_(v)
@@ -341,7 +337,6 @@ def lora_values(lora_params, values):
 
 
 def teacher_weights(model, lora_params, teacher, ema):
-    """The context of the teacher's forward pass (EMA: the student's until step 1)."""
     if teacher == "base":
         return lora_disabled(model)
     if teacher == "ema" and ema is not None:
@@ -351,7 +346,10 @@ def teacher_weights(model, lora_params, teacher, ema):
 
 @torch.no_grad()
 def ema_update(ema, lora_params, decay):
-    """ema = decay * ema + (1 - decay) * student; the first, a copy of the student."""
+    """The EMA teacher's LoRA after a step. At step 1 the teacher is the student, equal
+    to the base (B = 0); the first update seeds the EMA with the student's LoRA, later
+    ones take ema = decay * ema + (1 - decay) * student, on A and B apart: B_ema A_ema,
+    not an average of B A."""
     if ema is None:
         return [p.detach().clone() for p in lora_params]
     for e, p in zip(ema, lora_params):
@@ -402,6 +400,8 @@ def clipped_divergence(log_s, log_t, *, beta, clip, tau):
     #   beta = 0:  d_v = p_T(v) (log p_T(v) - log p_S(v))              forward KL(T || S)
     #   beta = 1:  d_v = p_S(v) (log p_S(v) - log p_T(v))              reverse KL(S || T)
     #   else:      d_v = beta KL_v(T || m) + (1 - beta) KL_v(S || m),  m = beta p_T + (1 - beta) p_S
+    # Not a mix of the two KLs: the JSD vanishes at both ends (near 0 as beta KL(T || S),
+    # near 1 as (1 - beta) KL(S || T)), so the ends are defined as those KLs.
     if beta == 0.0:
         d = log_t.exp() * (log_t - log_s)
     elif beta == 1.0:
@@ -475,20 +475,20 @@ def join_stats(stats):
 
 
 def opsd_loss(
-        student_hidden, student_mask, teacher_hidden, teacher_mask, lm_head_weight,
+        student_hidden, student_scored, teacher_hidden, teacher_scored, lm_head_weight,
         num_tokens, targets=None, *, loss_positions=None, beta=0.0, temperature=1.0,
         clip="entry", tau=0.05, chunk_size=256):
     """(loss, stats) of one micro-batch: plain_loss's value and gradient over the
     positions in the loss, in chunks.
 
     Hidden states (B, T, H) come before the frozen lm_head; each mask (B, T) selects
-    the N positions scored, in the same order on both sides (the caller moved the
-    answer-token mask one position left). loss = the sum of the N loss terms /
+    the N positions that predict an answer token (backward_step's shift by one), in
+    the same order on both sides. loss = the sum of the N loss terms /
     num_tokens, the step's count over micro-batches and ranks. `loss_positions` (N,)
     is 0 where --skip-first-tokens leaves a position out; `targets` (N,), the sampled
     tokens, asks for `stats`, the PositionStats of all N positions."""
-    hs = student_hidden[student_mask]  # (N, H)
-    ht = teacher_hidden[teacher_mask].detach()  # (N, H)
+    hs = student_hidden[student_scored]  # (N, H)
+    ht = teacher_hidden[teacher_scored].detach()  # (N, H)
     N = hs.shape[0]
     keep = torch.ones(N, device=hs.device)  # (N,) 1: in the loss, 0: left out
     if loss_positions is not None:
@@ -516,9 +516,9 @@ def opsd_loss(
                 student_logits.detach(), log_s.detach(), log_t.detach(),
                 targets[i:i + chunk_size], k.detach(), tau=tau))
     loss = total / max(num_tokens, 1)
-    # The surrogate carries the chunks' gradients into the model: sum(hs * grad) has
-    # gradient `grad` with respect to hs, and subtracting its own value makes it add
-    # exactly 0 to the loss. Built with no positions too, so backward runs on every rank.
+    # surrogate = sum(hs * grad) / num_tokens; surrogate - surrogate.detach() has value 0
+    # and gradient grad / num_tokens: it carries the chunks' gradients into the model.
+    # Built with no positions too, so backward runs on every rank.
     if need_grad:
         grad = torch.zeros_like(hs)  # (N, H) d sum_n k_n / d hs
         if grads:
@@ -546,18 +546,18 @@ def backward_step(
     for first in range(0, len(completions), micro_batch_size):
         rows = slice(first, first + micro_batch_size)
         answers = completions[rows]
-        student_inputs, student_mask = build_batch(
+        student_inputs, student_answer = build_batch(
             student_prompts[rows], answers, pad_id, device)
-        teacher_inputs, teacher_mask = build_batch(
+        teacher_inputs, teacher_answer = build_batch(
             teacher_prompts[rows], answers, pad_id, device)
         with torch.no_grad(), teacher_weights(model, lora_params, teacher, ema):
             teacher_hidden = final_hidden(model, teacher_inputs)  # (B, T_teacher, H)
         student_hidden = final_hidden(model, student_inputs)  # (B, T_student, H)
-        # The shift by one, done here once: hidden state t predicts token t + 1, so the
-        # positions scored run from the prompt's last token to the answer's last but one.
-        student_scored = student_mask[:, 1:]  # (B, T_student - 1)
-        teacher_scored = teacher_mask[:, 1:]
-        targets = student_inputs["input_ids"][:, 1:][student_scored]  # (N,) sampled tokens
+        # The shift by one, here only: hidden state t predicts token t + 1, so the positions
+        # scored run from the prompt's last token to the answer's last but one.
+        student_scored = student_answer[:, 1:]  # (B, T_student - 1)
+        teacher_scored = teacher_answer[:, 1:]
+        targets = student_inputs["input_ids"][:, 1:][student_scored]  # (N,) answer tokens
         in_loss = [j >= skip_first_tokens for c in answers for j in range(len(c))]
         loss, micro_stats = opsd_loss(
             student_hidden[:, :-1], student_scored, teacher_hidden[:, :-1], teacher_scored,

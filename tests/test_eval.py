@@ -2,7 +2,7 @@
 """eval.py end to end: the prompt against a hand-written string, then runs of main() on the tiny Qwen3
 with vLLM on CPU (files, counts, metrics recomputed from the file, resume after a kill, many seeded
 requests at once, an adapter from opsd.py and the hashes recorded, the LoRA ranks vLLM takes), and the metrics of
-a model that answers (the miniature's) recomputed from the sums.
+a model that answers (the miniature's) recomputed from the sums, with the cost projected by --limit.
 Grading: test_eval_grading.py; bad input: test_eval_input.py; the command line: test_eval_cli.py."""
 
 import json
@@ -176,31 +176,49 @@ def test_lora_ranks_are_those_vllm_takes():
     assert ev.VLLM_LORA_RANKS == get_args(MaxLoRARanks)
 
 
-def test_metrics_on_a_model_that_answers(tmp_path):
-    """avg@k, pass@k and maj@k where they are neither 0 nor 1: the miniature's starting model on 40 held-out sums
-    (it drops carries, so some samples are wrong), regraded here from the sums and voted here by hand."""
+def test_metrics_on_a_model_that_answers_and_the_cost_of_the_whole(tmp_path, capsys):
+    """avg@k, pass@k and maj@k where they are neither 0 nor 1: the miniature's starting model on the first 30 of 40
+    held-out sums (--limit 30; it drops carries, so some samples are wrong), regraded here from the sums and voted
+    here by hand; and the whole evaluation's hours, projected by hand from the lengths and the recorded times."""
+    import time
     from collections import Counter
 
     heldout = [json.loads(line) for line in (ROOT / "tests" / "miniature" / "heldout.jsonl").read_text().splitlines()]
     data = tmp_path / "sums.jsonl"
     data.write_text("".join(json.dumps(r) + "\n" for r in heldout[:40]))
-    out, n = tmp_path / "out", 4
+    out, n, scored = tmp_path / "out", 4, 30
+    started = time.perf_counter()
     ev.main(["--model", str(ROOT / "tests" / "miniature" / "model"), "--data", f"sums={data}", "--n", str(n),
-             "--max-new-tokens", "48", "--no-thinking", "--output-dir", str(out)])
+             "--max-new-tokens", "48", "--no-thinking", "--limit", str(scored), "--output-dir", str(out)])
+    wall = time.perf_counter() - started
     samples = read_jsonl(out / "samples.jsonl")
+    assert sorted((s["problem"], s["sample"]) for s in samples) == [(i, j) for i in range(scored) for j in range(n)]
     boxed = {(s["problem"], s["sample"]): (re.findall(r"\\boxed\{(\d+)\}", s["completion"]) or [None])[-1]
              for s in samples}
     right = {key: answer == str(sum(map(int, heldout[key[0]]["problem"].split("+")))) for key, answer in boxed.items()}
     avg = sum(right.values()) / len(right)
-    passed = sum(any(right[i, j] for j in range(n)) for i in range(40)) / 40
+    passed = sum(any(right[i, j] for j in range(n)) for i in range(scored)) / scored
     majority = 0
-    for i in range(40):
+    for i in range(scored):
         votes = Counter(boxed[i, j] for j in range(n) if boxed[i, j] is not None)
         if votes:
             top = max(votes.values())
             first = next(boxed[i, j] for j in range(n) if boxed[i, j] is not None and votes[boxed[i, j]] == top)
             majority += first == heldout[i]["answer"]
-    m = json.loads((out / "summary.json").read_text())["metrics"]["sums"]
+    summary = json.loads((out / "summary.json").read_text())
+    m = summary["metrics"]["sums"]
     assert m[f"avg@{n}"] == pytest.approx(avg) and m[f"pass@{n}"] == pytest.approx(passed)
-    assert m[f"maj@{n}"] == pytest.approx(majority / 40)
+    assert m[f"maj@{n}"] == pytest.approx(majority / scored)
     assert 0.2 < avg < 0.9 and avg < passed  # an imperfect model: the metrics differ and each can be wrong
+    # The cost: all 40 x n answers at this run's mean length, at the rate it drew its own, after its start.
+    cost = summary["cost"]
+    assert 0 < cost["start_seconds"] and 0 < cost["sampling_seconds"]
+    assert cost["start_seconds"] + cost["sampling_seconds"] < wall  # seconds, both within the run
+    tokens = sum(s["tokens"] for s in samples)
+    mean, rate = tokens / (scored * n), tokens / cost["sampling_seconds"]
+    hours = (cost["start_seconds"] + 40 * n * mean / rate) / 3600
+    assert cost["projected_hours"] == pytest.approx(hours, rel=1e-12) and cost["whole_answers"] == 40 * n
+    printed = capsys.readouterr().out
+    assert f"{scored * n} answers of {mean:,.0f} tokens on average; {tokens:,} tokens drawn" in printed
+    assert f"({rate:,.0f} tokens/s)" in printed and f"{hours:.2f} h on this machine" in printed
+    assert f"pass --answer-tokens {round(mean)} to tests/gpu_check/budget.py --eval" in printed

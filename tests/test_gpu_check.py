@@ -823,6 +823,9 @@ def test_the_budget_prints_the_hours_of_an_evaluation(capsys, tmp_path):
     text = "\n".join(lines)
     assert f"{rows} problems (tiny {rows}) x 3 samples = {3 * rows:,} answers" in text
     assert "engines: 2 (--gpus / --tensor-parallel-size 2)" in text
+    # eval.py --limit 2: two problems of each benchmark, as that run scores
+    lines = budget_lines(capsys, ["--eval", "--config", str(configs / "Qwen3-1.7B.json"), "--", "--limit", "2"])
+    assert "6 problems (aime24 2, aime25 2, hmmt25 2) x 12 samples = 72 answers" in "\n".join(lines)
 
 
 @pytest.mark.parametrize("argv, said", [

@@ -140,45 +140,81 @@ def test_the_readme_stays_within_2500_words():
 
 
 def test_the_readme_times_are_budget_py_s_for_the_commands_it_shows():
-    """The GPU section states each time once, as budget.py computes it for the commands the README shows: the
-    4-GPU training command, and eval.py with the --tensor-parallel-size its eval commands carry."""
+    """The GPU section's first day, each time as budget.py computes it for the command the README shows: on one GPU
+    the 5-step try and eval.py --limit 2; on four the training command, and eval.py with the --tensor-parallel-size
+    its eval commands carry; the check's own estimate; the stage and the day added up."""
     import re
-    import subprocess
-    import sys
 
     readme = (ROOT / "README.md").read_text()
     section = readme.split("\n## Training on GPUs", 1)[1].split("\n## ", 1)[0]
-    train = next(line for line in section.splitlines() if line.strip().startswith("torchrun --nproc_per_node 4 opsd.py"))
+    lines = [line.strip() for line in section.splitlines()]
+    train = next(line for line in lines if line.startswith("torchrun --nproc_per_node 4 opsd.py"))
+    tried = next(line for line in lines if line.startswith("python opsd.py") and "--max-steps 5" in line)
+    probe = next(line for line in lines if line.startswith("python eval.py") and "--limit 2 " in line)
     gpu = " ".join(section.split())  # prose as one line
     check = " ".join((ROOT / "tests" / "gpu_check" / "README.md").read_text().split())
     flags = train.split("opsd.py", 1)[1].split("#")[0].split()
+    assert tried.split("opsd.py", 1)[1].split("--max-steps")[0].split() == flags  # the try is the run, shorter
     evals = [line for line in readme.splitlines() if line.strip().startswith("python eval.py --model Qwen/")]
-    assert evals and all("--tensor-parallel-size 4 " in line for line in evals), evals
+    assert evals and all("--tensor-parallel-size 4 " in line for line in evals if "--limit" not in line), evals
 
-    def budget(*argv):
-        proc = subprocess.run([sys.executable, "tests/gpu_check/budget.py", "--config",
-                               "tests/gpu_check/configs/Qwen3-1.7B.json", *argv],
-                              capture_output=True, text=True, cwd=ROOT, timeout=300)
-        assert proc.returncode == 0, proc.stderr[-2000:]
-        return proc.stdout
+    def budget(*argv):  # in this process: torch and transformers imported once for the four
+        from contextlib import redirect_stdout
+        from io import StringIO
 
-    def minutes_and_gpu_hours(line):
+        import budget
+
+        out = StringIO()
+        with redirect_stdout(out):
+            assert budget.main(["--config", str(ROOT / "tests/gpu_check/configs/Qwen3-1.7B.json"), *argv]) == 0
+        return out.getvalue()
+
+    def expected(out, label):
+        """(hours, GPU-hours) of the line of `out` holding `label`."""
+        line = next(l for l in out.splitlines() if label in l)
         hours, gpu_hours = re.search(r"expected ([\d.]+) h .*, ([\d.]+) GPU-hours", line).groups()
-        return round(float(hours) * 60), gpu_hours
+        return float(hours), gpu_hours
 
+    # One GPU: the check (its own estimate), the 5-step try, the cost measured on two problems a benchmark
+    assert "# 5 minutes" in gpu and "Sized for about 5 minutes on one H200" in check
+    try_hours, _ = expected(budget("--gpus", "1", "--", *flags, "--max-steps", "5"), "run of 5 steps")
+    assert f"--max-steps 5 --output-dir runs/try # {round(try_hours * 60)} minutes" in gpu
+    out = budget("--gpus", "1", "--eval", "--", "--limit", "2")
+    probe_hours, _ = expected(out, "one checkpoint:")
+    longest_hours, _ = expected(out, "every answer at")
+    assert f"--limit 2 --output-dir runs/eval-base # {round(probe_hours * 60)} minutes" in gpu
+    assert (f"its {round(probe_hours * 60)} minutes assume a 16,000-token mean; {round(longest_hours * 60)} if every "
+            "answer reaches 38,912" in gpu)
+    stage = 5 + round(try_hours * 60) + round(probe_hours * 60)
+    assert f"One GPU, {stage} minutes" in gpu
+    # The check's step against the run's: rows x (prompt + answer) tokens
+    import gpu_check
+
+    import opsd
+
+    size, defaults = gpu_check.SIZES["full"], opsd.parse_args([])
+    assert (f"The check's step ({size['micro_batch']} x {size['prompt_tokens'] + size['completion_tokens']:,} tokens) "
+            f"exceeds the run's ({defaults.micro_batch_size} x "
+            f"{defaults.max_prompt_length + defaults.max_new_tokens:,})" in gpu)
+    assert f"{size['completion_tokens']:,}-token answers" in gpu
+
+    # Four GPUs: the run, then each checkpoint's evaluation
     out = budget("--", *flags)
     total = re.search(r"total\s+([\d.]+) GiB", out).group(1)
     assert f"{float(total):.1f} GiB of 80 per GPU" in gpu
-    minutes, gpu_hours = minutes_and_gpu_hours(next(l for l in out.splitlines() if "run of 100 steps" in l))
-    assert f"about **{minutes} minutes** ({gpu_hours} GPU-hours" in gpu
-    assert f"The README's training time ({minutes} minutes)" in check
+    hours, train_gpu_hours = expected(out, "run of 100 steps")
+    assert f"about **{round(hours * 60)} minutes** ({train_gpu_hours} GPU-hours" in gpu
+    assert f"The README's training time ({round(hours * 60)} minutes)" in check
     out = budget("--eval", "--", "--tensor-parallel-size", "4")
-    lines = out.splitlines()
-    minutes, gpu_hours = minutes_and_gpu_hours(next(l for l in lines if "one checkpoint:" in l))
-    assert f"about **{minutes} minutes** ({gpu_hours} GPU-hours" in gpu
-    assert f"The README's {minutes} minutes for one checkpoint" in check
-    every = re.search(r"expected ([\d.]+) h", next(l for l in lines if "every answer at" in l)).group(1)
-    assert f"{float(every):.1f} h if all reach" in gpu
+    hours, eval_gpu_hours = expected(out, "one checkpoint:")
+    assert f"about **{round(hours * 60)} minutes** ({eval_gpu_hours} GPU-hours at an assumed 16,000-token" in gpu
+    assert f"The README's {round(hours * 60)} minutes for one checkpoint" in check
+    _, every = expected(out, "every answer at")
+    assert f"{every} GPU-hours if every answer reaches 38,912" in gpu
+    # The day: one GPU's stage, the run, three evaluations (base, checkpoint-50, final)
+    evaluations = 3 * float(eval_gpu_hours)
+    day = stage / 60 + float(train_gpu_hours) + evaluations
+    assert f"The day: {day:.1f} GPU-hours, {evaluations:.2f} of them evaluation" in gpu
 
 
 def test_the_readme_example_rows_are_a_dataset_opsd_reads(tmp_path):
@@ -195,7 +231,8 @@ def test_the_readme_example_rows_are_a_dataset_opsd_reads(tmp_path):
 
 
 def test_the_readme_gap_and_noise_figures_recompute():
-    """The gap the step line warns above is opsd.GAP_ALARM's; the noise bullet's figures follow from its formula."""
+    """The gap the step line warns above is opsd.GAP_ALARM's; the noise bullet's figures follow from its formula, and
+    its paired comparison is eval.py's."""
     import math
 
     import opsd
@@ -205,5 +242,9 @@ def test_the_readme_gap_and_noise_figures_recompute():
     # standard error of avg@12 over 30 problems, each p_i (1 - p_i) 0.12: sqrt(sum / 12) / 30, in points
     stderr = 100 * math.sqrt(30 * 0.12 / 12) / 30
     assert f"{stderr:.1f} if p_i (1 - p_i) averages 0.12" in readme
-    # two independent evaluations differ beyond noise at two standard errors of their difference
-    assert round(2 * math.sqrt(2) * 2) == 6 and "differ beyond noise about 6 points apart" in readme
+    # two runs compared: eval.py --baseline's noise model, as the README states it
+    import eval as ev
+
+    assert "d_i = p_i here minus there" in readme and "d_i = this run's share correct on problem i minus" in ev.NOISE_MODEL
+    assert "sd(d_i) / sqrt(30)" in readme and "sd(d_i) / sqrt(N) over the N problems" in ev.NOISE_MODEL
+    assert "beyond noise over 2 standard errors" in readme and "beyond noise when over 2 standard errors" in ev.NOISE_MODEL

@@ -636,7 +636,7 @@ def main(argv=None):
 
 def count_problems(evaluation, args):
     """(problems, how they were counted) of eval.py's benchmarks: the hub
-    benchmarks' known counts, a local file's rows."""
+    benchmarks' known counts, a local file's rows; at most --limit each."""
     sources = evaluation.benchmark_sources(args.benchmarks, args.data)
     counts = {}
     for name, source in sources.items():
@@ -648,6 +648,8 @@ def count_problems(evaluation, args):
         else:
             refuse(f"the problems of {name} are not counted here: pass "
                    f"--problems N.")
+        if args.limit:
+            counts[name] = min(counts[name], args.limit)
     said = ", ".join(f"{name} {n}" for name, n in counts.items())
     return sum(counts.values()), said
 
