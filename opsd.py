@@ -703,7 +703,7 @@ def parse_args(argv=None):
     add("--clip", "entry", "entry: the recipe's min(d_v, tau); token: min(k, tau), "
         "recommended", choices=["entry", "token", "none"])
     add("--tau", 0.05, "the clip's threshold")
-    add("--beta", 0.0, "0: forward KL, 1: reverse, between: a JSD")
+    add("--beta", 0.0, "0: forward KL, 1: reverse, between: a JSD (zero at both ends)")
     add("--loss-temperature", 1.1, "the loss divides logits by it")
     add("--skip-first-tokens", 0, "answer positions the loss skips; recommended: 1")
     add("--loss-chunk-size", 256, "positions whose logits exist at once")
