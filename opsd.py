@@ -162,8 +162,7 @@ def build_prompts(
     """[(student ids, teacher ids)] of the rows that fit max_prompt_length."""
     prompts = []
     for problem, context in rows:
-        student = render(
-            tokenizer, student_message(problem, student_prompt), student_thinking)
+        student = render(tokenizer, student_message(problem, student_prompt), student_thinking)
         teacher = render(tokenizer, teacher_message(problem, context), teacher_thinking)
         if max(len(student), len(teacher)) <= max_prompt_length:
             prompts.append((student, teacher))
@@ -252,8 +251,7 @@ CPU_ENGINE = {"enforce_eager": True, "enable_chunked_prefill": False}
 def engine_environment(cpu):
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
     logging.getLogger("vllm.triton_utils.importing").setLevel(logging.ERROR)
-    warnings.filterwarnings("ignore", r"`torch\.distributed\.reduce_op` is deprecated",
-                            FutureWarning)
+    warnings.filterwarnings("ignore", ".*reduce_op", FutureWarning)
     if cpu:
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 
@@ -661,8 +659,7 @@ def check_flags(args):
 def parse_args(argv=None):
     p = argparse.ArgumentParser(
         prog="opsd.py", formatter_class=argparse.ArgumentDefaultsHelpFormatter,
-        description="On-Policy Self-Distillation. Defaults: the released recipe for "
-                    "Qwen3-1.7B; recommended: --clip token --skip-first-tokens 1.")
+        description="On-Policy Self-Distillation; defaults: the released recipe.")
 
     p.error = fail  # argparse's refusals, as one sentence
 
@@ -688,8 +685,8 @@ def parse_args(argv=None):
     add("--context-column", "solution", "the teacher's reference; a,b joins two")
     add("--data-select", "all", "hard: no source 'math', the longer half by "
         "generated_token_count", choices=["all", "hard"])
-    add("--teacher-context", "reference", "the teacher's context: its row's, none, another "
-        "row's, or its \\boxed{} answer", choices=TEACHER_CONTEXTS)
+    add("--teacher-context", "reference", "its row's reference, none, another row's, or its "
+        "\\boxed{} answer", choices=TEACHER_CONTEXTS)
     add("--student-prompt", "recipe", "recipe: 'Problem: ...'; eval: eval.py's",
         choices=["recipe", "eval"])
     add("--student-thinking", False, "the chat template's enable_thinking")
@@ -724,7 +721,7 @@ def parse_args(argv=None):
     add("--collective-timeout", 30.0, "minutes a rank waits for the others")
     add("--kl-window", 20_000, "answer tokens the logged means span")
     add("--log-rollouts-every", 10, "steps; rank 0's answers, rollouts.jsonl; 0: never")
-    add("--wandb-project", None, "also log to wandb (pip install wandb)")
+    add("--wandb-project", None, "also log to wandb")
 
     args = p.parse_args(argv)
     check_flags(args)
@@ -762,9 +759,10 @@ def train(args, run):
     print0(f"to resume: {run['resume']}")
 
     # ---- the model with LoRA, and this rank's vLLM engine
-    with ranks_agree():  # timed, unlike vLLM's start-up
-        if resume_from:
+    if resume_from:
+        with ranks_agree():
             check_checkpoint(resume_from)
+    with ranks_agree():  # timed, unlike vLLM's start-up
         model, lora_params = load_model(args, device)
     optimizer = torch.optim.AdamW(lora_params, lr=args.lr, weight_decay=0.0)
     llm = start_engine(args, device)
@@ -834,8 +832,7 @@ def train(args, run):
             "time_sample": t1 - t0, "time_train": t2 - t1, "time_push": t3 - t2,
             "tokens_per_second": sums["tokens"] / (t3 - t0)}
         if RANK == 0:
-            rollouts = rollout_records(
-                args, step, indices, mine, completions, stats.kl, tokenizer)
+            rollouts = rollout_records(args, step, indices, mine, completions, stats.kl, tokenizer)
             log_step(args, record, rollouts, tracker)
 
         # ---- checkpoint (the last step writes final/ instead)
@@ -857,10 +854,8 @@ def train(args, run):
 
 def choose_attention_kernels():
     """Not cuDNN's: NaN for a row whose keys are all masked."""
-    torch.backends.cuda.enable_flash_sdp(True)
-    torch.backends.cuda.enable_mem_efficient_sdp(True)
-    torch.backends.cuda.enable_math_sdp(True)
-    torch.backends.cuda.enable_cudnn_sdp(False)
+    for name, on in (("flash", True), ("mem_efficient", True), ("math", True), ("cudnn", False)):
+        getattr(torch.backends.cuda, f"enable_{name}_sdp")(on)
 
 
 # the engine in this process (it takes a generator); no TF32 (the read-back)
@@ -921,6 +916,13 @@ def load_rows(dataset, split, problem_column, context_column, data_select="all")
         words = str(e.__cause__ or e).strip() or "no rows"
         if not builder:
             words += " (a hub id needs network; else give a local .json, .jsonl or .parquet file)"
+        elif "JSON parse error" in words:  # datasets counts rows from 0, past blank lines
+            for number, line in enumerate(Path(dataset).read_text(errors="replace").split("\n"), 1):
+                try:
+                    json.loads(line.strip() or "0")
+                except json.JSONDecodeError as bad:
+                    words = f"line {number} is not JSON ({bad.msg})"
+                    break
         fail(f"--dataset {dataset}: {words}")
     contexts = [c.strip() for c in context_column.split(",")]
     needed = {column: "--context-column" for column in contexts}  # column: its flag
@@ -930,8 +932,7 @@ def load_rows(dataset, split, problem_column, context_column, data_select="all")
         needed["generated_token_count"] = "--data-select hard"
     for column, flag in needed.items():
         if column not in table.column_names:
-            fail(f"--dataset {dataset} has no column {column!r} ({flag}); its columns are "
-                 f"{table.column_names}.")
+            fail(f"--dataset {dataset} has no column {column!r} ({flag}); its columns are {table.column_names}.")
     rows = table.to_list()
     if not rows:
         fail(f"--dataset {dataset} holds no rows.")
@@ -941,8 +942,7 @@ def load_rows(dataset, split, problem_column, context_column, data_select="all")
             kind, noun = kinds.get(column, (str, "a string"))
             value = row[column]
             if not isinstance(value, kind) or isinstance(value, bool):
-                fail(f"--dataset {dataset}, row {number}: {column!r} is {value!r}, not {noun}: "
-                     "fix or drop the row.")
+                fail(f"--dataset {dataset}, row {number}: {column!r} is {value!r}, not {noun}: fix or drop the row.")
     if data_select == "hard":
         rows = select_hard(rows)
     return [(row[problem_column], "\n\n".join(row[c] for c in contexts)) for row in rows]
@@ -973,8 +973,7 @@ def load_model(args, device):
         fail(f"--model {args.model} ({model.config.model_type}) is not supported: {problem}.")
     lora_params = add_lora(model, args.lora_r, args.lora_alpha, seed=args.seed)
     if args.gradient_checkpointing:
-        model.gradient_checkpointing_enable(
-            gradient_checkpointing_kwargs={"use_reentrant": False})
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model.train()  # for gradient checkpointing
     return model, lora_params
 
@@ -1000,8 +999,7 @@ def adapter_parameters(model):
 
 def save_adapter(model, out_dir, base_model_name_or_path):
     layers = lora_layers(model)
-    tensors = {
-        name: p.detach().cpu().contiguous() for name, p in adapter_parameters(model).items()}
+    tensors = {name: p.detach().cpu().contiguous() for name, p in adapter_parameters(model).items()}
     first = next(iter(layers.values()))
     config = {
         "peft_type": "LORA", "task_type": "CAUSAL_LM", "r": first.r, "lora_alpha": first.alpha,
@@ -1132,8 +1130,7 @@ def log_step(args, record, rollouts, tracker):
         import wandb
         logged = dict(record)
         if rollouts:
-            rows = [list(r.values()) for r in rollouts]
-            logged["rollouts"] = wandb.Table(columns=list(rollouts[0]), data=rows)
+            logged["rollouts"] = wandb.Table(columns=list(rollouts[0]), data=[list(r.values()) for r in rollouts])
         tracker.log(logged, step=record["step"])
 
 
@@ -1173,8 +1170,7 @@ def check_output_dir(args):
                  "continue it, or --overwrite to replace it.")
         return None
     if not (out_dir / "args.json").is_file():
-        fail(f"--resume: {out_dir} holds no run (no args.json): every rank must see one "
-             "--output-dir.")
+        fail(f"--resume: {out_dir} holds no run (no args.json): every rank must see one --output-dir.")
     if (out_dir / "final").exists():
         fail(f"--resume: the run in {out_dir} has finished: choose a new --output-dir.")
     checkpoint = latest_checkpoint(out_dir)
@@ -1188,8 +1184,7 @@ def check_checkpoint(checkpoint):
     step = int(checkpoint.name.split("-")[1])
     steps = all_reduce(torch.tensor([step, -step]), dist.ReduceOp.MAX).tolist()
     if steps[0] != -steps[1]:
-        fail(f"--resume: ranks see checkpoints {-steps[1]} to {steps[0]} as the newest: "
-             "use one --output-dir.")
+        fail(f"--resume: ranks see checkpoints {-steps[1]} to {steps[0]} as the newest: use one --output-dir.")
     try:
         ema = checkpoint.glob(f"ema/{ADAPTER_WEIGHTS}")
         for path in [checkpoint / "trainer_state.pt", checkpoint / ADAPTER_WEIGHTS, *ema]:
@@ -1283,14 +1278,12 @@ def check_model(args):
              f"{', '.join(LORA_TARGETS)} in every decoder layer, but {missing}.")
     parameters = skeleton.num_parameters()
     if args.device == "auto" and parameters > 1e8 and not torch.cuda.is_available():
-        fail(f"--device auto: torch {torch.__version__} sees no CUDA device, and --model "
-             f"{args.model} has {parameters / 1e9:.2f}B parameters, too many for a CPU: make "
-             "a GPU visible, or pass --device cpu.")
+        fail(f"--device auto: torch {torch.__version__} sees no CUDA device, and --model {args.model} has "
+             f"{parameters / 1e9:.2f}B parameters, too many for a CPU: make a GPU visible, or pass --device cpu.")
     context = getattr(config.get_text_config(), "max_position_embeddings", None)
     if context and args.max_prompt_length + args.max_new_tokens > context:
         fail(f"--max-prompt-length {args.max_prompt_length} + --max-new-tokens "
-             f"{args.max_new_tokens} exceeds the model's context of {context} tokens: "
-             "lower one of them.")
+             f"{args.max_new_tokens} exceeds the model's context of {context} tokens: lower one of them.")
 
 
 def missing_lora_targets(model):
@@ -1328,8 +1321,7 @@ def check_logits_path(model):
         return "its lm_head has a bias"
     positions = torch.arange(16, device=model.device)[None]  # (1, 16)
     ids = (positions + 3) % model.config.vocab_size
-    inputs = {
-        "input_ids": ids, "attention_mask": torch.ones_like(ids), "position_ids": positions}
+    inputs = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "position_ids": positions}
 
     model.eval()  # no dropout; the caller sets the mode it trains in
     want = model(**inputs, use_cache=False).logits.float()  # (1, 16, V)
@@ -1352,8 +1344,7 @@ def fingerprint(weight):
 
 @torch.no_grad()
 def engine_fingerprints(model):
-    """In vLLM's worker: each linear layer's fingerprint, read by its GEMM on the identity
-    (I W^T = W^T), stacked layers split."""
+    """In vLLM's worker: each linear layer's fingerprint, by its GEMM on I; stacked ones split."""
     from vllm.model_executor.layers.linear import LinearBase
     stacked = getattr(model, "packed_modules_mapping", {})
     prints = {}
@@ -1445,15 +1436,14 @@ def stop_cleanly(run):
         if run["args"]:
             last = latest_checkpoint(run["args"].output_dir)
         if interrupted:  # also printed at the start: rank 0 may not get here
-            print0(f"opsd.py: interrupted {where} (the last checkpoint is {last}); to resume: "
-                   f"{run['resume']}", file=sys.stderr)
+            print0(f"opsd.py: interrupted {where} (the last checkpoint is {last}); to resume: {run['resume']}",
+                   file=sys.stderr)
             os._exit(130)
         hint = ""
         if isinstance(e, torch.OutOfMemoryError):
             hint = "; lower --micro-batch-size, --loss-chunk-size or --vllm-memory"
         # a failed collective is this rank's error too
-        say(f"opsd.py: rank {RANK}: error {where} (the last checkpoint is {last}){hint}:\n"
-            f"{traceback.format_exc()}")
+        say(f"opsd.py: rank {RANK}: error {where} (the last checkpoint is {last}){hint}:\n{traceback.format_exc()}")
         os._exit(1)  # past vLLM's teardown, which could wait for others
     finally:
         signal.signal(signal.SIGINT, previous)

@@ -3,7 +3,7 @@
     FAULT=oom|bug|kill|hang|early|data:PATH|output-dir:PATH|slow-final torchrun --nproc_per_node 2 tests/fault_launch.py ...
 
 data:PATH and output-dir:PATH give rank 1 another --dataset or --output-dir (a file that is not there, a corrupt one,
-a directory the other rank does not see); oom raises torch.OutOfMemoryError in rank 1's third step, bug a RuntimeError, kill sends
+a directory the other rank does not see; with output-dir every rank prints "loading the model" as it starts to); oom raises torch.OutOfMemoryError in rank 1's third step, bug a RuntimeError, kill sends
 rank 1 SIGKILL there, hang SIGSTOP (a rank that neither answers nor ends); early makes rank 1 refuse before the process
 group exists (as on a node whose torch is a CPU build); slow-final makes rank 0's final save take 5 s longer. Rank 1
 prints "fault at <unix time> in <pid>" to stderr just before its fault."""
@@ -20,6 +20,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import opsd  # noqa: E402
 
 kind, _, value = os.environ["FAULT"].partition(":")
+if kind == "output-dir":  # every rank says when it starts loading the model: a refusal on resume comes before
+    load = opsd.load_model
+
+    def announced_load(*args, **kwargs):
+        print("loading the model", file=sys.stderr, flush=True)
+        return load(*args, **kwargs)
+    opsd.load_model = announced_load
 if kind == "slow-final" and os.environ["RANK"] == "0":
     save = opsd.save_run_state
 

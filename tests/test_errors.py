@@ -79,10 +79,15 @@ def test_bad_data_files(base, tmp_path, capsys):
     empty = write(tmp_path / "empty.jsonl", "")
     assert error_of(base + ["--dataset", empty], capsys) == f"opsd.py: error: --dataset {empty}: no rows\n"
     row = json.dumps({"problem": "p", "solution": "s"})
-    broken = write(tmp_path / "broken.jsonl", f"{row}\n{row}\n{{\"problem\": \"p\", \n")
-    # datasets' words (its parser counts rows from 0), and no word of the hub for a local file
-    err = error_of(base + ["--dataset", broken], capsys)
-    assert err.startswith(f"opsd.py: error: --dataset {broken}: JSON parse error: ") and "hub" not in err
+    # the fourth line, as an editor counts it (datasets says "row 2": it counts from 0, past blank lines), and no
+    # word of the hub for a local file; a .json file of JSON lines alike
+    for name in ("broken.jsonl", "lines.json"):
+        broken = write(tmp_path / name, f"{row}\n\n{row}\n{{\"problem\": \"p\", \n{row}\n")
+        assert error_of(base + ["--dataset", broken], capsys) == (
+            f"opsd.py: error: --dataset {broken}: line 4 is not JSON (Expecting property name enclosed in double quotes)\n")
+    document = write(tmp_path / "list.json", f"[{row},\n{row[:-1]}]\n")  # one JSON document: datasets' words
+    err = error_of(base + ["--dataset", document], capsys)
+    assert err.startswith(f"opsd.py: error: --dataset {document}: ") and "line" not in err and "hub" not in err
     null = write(tmp_path / "null.jsonl", f"{row}\n" + json.dumps({"problem": "p", "solution": None}) + "\n")
     assert f"--dataset {null}, row 2: 'solution' is None, not a string: fix or drop the row." in error_of(
         base + ["--dataset", null], capsys)

@@ -443,12 +443,20 @@ def test_resume_on_a_rank_that_does_not_see_the_run_is_refused_by_that_rank(entr
     assert sentence in proc.stderr.split("Root Cause (first observed failure):", 1)[1]
 
 
-def test_ranks_resuming_from_different_checkpoints_are_refused(entry_run, tiny_model_dir, tmp_path):
+@pytest.mark.parametrize("copy", ["older listing", "bad copy"])
+def test_ranks_resuming_from_different_checkpoints_are_refused_before_any_loads_the_model(copy, entry_run,
+                                                                                          tiny_model_dir, tmp_path):
     """Each rank picks the newest checkpoint it sees; a node with an older listing (here rank 1 sees a copy of the run
-    without checkpoint-4) would resume another step: one comparison over ranks refuses it, before a model loads."""
-    elsewhere = tmp_path / "older-listing"
+    without checkpoint-4) would resume another step: one comparison over ranks refuses it. A node whose copy of the
+    checkpoint is cut short refuses, naming its file, and every rank with it. Both before any rank loads a model."""
+    elsewhere = tmp_path / "copy"
     shutil.copytree(entry_run[0], elsewhere, ignore=shutil.ignore_patterns("final", "checkpoint-4"))
-    _, proc, ranks = resume_with_rank_1_in(elsewhere, entry_run, tiny_model_dir, tmp_path)
     sentence = "opsd.py: error: --resume: ranks see checkpoints 2 to 4 as the newest: use one --output-dir."
+    if copy == "bad copy":
+        shutil.copytree(entry_run[0] / "checkpoint-4", elsewhere / "checkpoint-4")
+        adapter = elsewhere / "checkpoint-4" / opsd.ADAPTER_WEIGHTS
+        adapter.write_bytes(adapter.read_bytes()[:100])  # an interrupted copy
+        sentence = f"opsd.py: error: rank 1: --resume: {adapter} does not load ("
+    _, proc, ranks = resume_with_rank_1_in(elsewhere, entry_run, tiny_model_dir, tmp_path)
     assert proc.returncode != 0 and said(ranks[0] + ranks[1], sentence) == 1, ranks
-    assert "Traceback" not in ranks[0] + ranks[1]
+    assert "Traceback" not in ranks[0] + ranks[1] and "loading the model" not in ranks[0] + ranks[1], ranks
