@@ -72,7 +72,7 @@ def test_a_refusal_on_one_node_is_said_on_both_with_its_rank(tiny_model_dir, tmp
     finished.mkdir()
     (finished / "args.json").write_text("{}")
     cases = [(f"data:{corrupt}", tmp_path / "out",
-              f"rank 1: --dataset {corrupt}: JSON parse error: "),
+              f"rank 1: --dataset {corrupt}: line 2 is not JSON ("),
              (f"output-dir:{tmp_path / 'empty'}", finished,
               f"rank 0: --output-dir {finished} already holds a run (args.json): pass --resume")]
     for k, (fault, out, sentence) in enumerate(cases):
