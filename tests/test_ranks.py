@@ -95,8 +95,8 @@ def test_a_refusal_on_one_node_is_said_on_both_with_its_rank(tiny_model_dir, tmp
 
 def test_an_error_on_rank_1_alone_is_its_traceback_said_once_and_in_torchruns_report(tiny_model_dir, tmp_path):
     """An out of memory in rank 1's step 3: its one line (with the flags that lower memory), then its traceback, whose
-    last line is torch's error whole; torchrun ends rank 0 and names rank 1's error as the root cause. A bug takes the
-    same path, without the hint."""
+    last line is torch's error whole; torchrun ends rank 0, and its report holds rank 1's error. A bug takes the same
+    path, without the hint."""
     code, torchrun, ranks, elapsed = launch(tiny_model_dir, tmp_path, "oom")
     assert code != 0 and elapsed is not None and elapsed < BOUND_S, (elapsed, torchrun[-2000:])
     out = tmp_path / "out"
@@ -107,8 +107,10 @@ def test_an_error_on_rank_1_alone_is_its_traceback_said_once_and_in_torchruns_re
     assert lines.count(ours) == 1 and lines.index(torchs) > lines.index(ours), ranks[1][-3000:]
     assert said(ranks[1], "opsd.py: ") == 1 and ranks[1].count("Traceback (most recent call last)") == 1
     quiet_or_one_collective_error(ranks[0], "at step 3 of 5")
-    cause = root_cause(torchrun)
-    assert ours in cause and "Traceback (most recent call last)" in cause and torchs in cause
+    # torchrun's report holds rank 1's error whole. It names it first unless rank 0's lost peer came in the same
+    # second (torchrun's timestamps are whole seconds, a tie going to the lower rank): only that it is there is checked
+    report = torchrun.split("Failures:", 1)[1]
+    assert ours in report and "Traceback (most recent call last)" in report and torchs in report, torchrun[-3000:]
     assert (out / "checkpoint-2").is_dir() and not (out / "final").exists()
 
 
