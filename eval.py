@@ -450,7 +450,8 @@ def read_rows(name, source):
     if path.suffix.lower() not in (".json", ".jsonl"):
         fail(f"{source}: a benchmark file must be .jsonl, .json or .parquet; convert it, or rename it if it is one.")
     text = path.read_text()
-    chunks = [(1, text)] if text.lstrip().startswith("[") else enumerate(text.splitlines(), 1)
+    # lines end at "\n" only: JSON allows U+2028 and U+0085 inside a string, where str.splitlines would cut
+    chunks = [(1, text)] if text.lstrip().startswith("[") else enumerate(text.split("\n"), 1)
     rows = []
     for number, chunk in chunks:
         if chunk.strip():

@@ -104,6 +104,16 @@ def test_bad_data_files_name_the_file_and_line(tmp_path, name, content, message)
     assert refusal(["--data", f"b={path}"], tmp_path) == message.format(path=path)  # each says how to go on
 
 
+def test_a_line_separator_inside_a_string_does_not_end_its_line(tmp_path):
+    """JSON allows U+2028 and U+0085 unescaped inside a string (a file written with ensure_ascii=False holds them
+    so); str.splitlines would end a line there and refuse a valid file."""
+    rows = [{"problem": "a\u2028b\x85c", "answer": "1"}, {"problem": "2+2?", "answer": "4"}]
+    path = tmp_path / "b.jsonl"
+    path.write_text("".join(json.dumps(row, ensure_ascii=False) + "\n" for row in rows), encoding="utf-8")
+    assert "\u2028" in path.read_text(encoding="utf-8")
+    assert ev.read_rows("b", str(path)) == rows
+
+
 def test_a_bad_data_flag_is_refused_with_its_form(tmp_path):
     assert refusal(["--data", "aime24"], tmp_path) == ("--data takes NAME=PATH, got 'aime24': pass e.g. "
                                                        "--data aime24=aime24.jsonl.")
