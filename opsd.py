@@ -919,7 +919,7 @@ def load_rows(dataset, split, problem_column, context_column, data_select="all")
         elif "JSON parse error" in words:  # datasets counts rows from 0, past blank lines
             for number, line in enumerate(Path(dataset).read_text(errors="replace").split("\n"), 1):
                 try:
-                    json.loads(line.strip() or "0")
+                    json.loads(line.strip() or "{}")  # a blank line passes
                 except json.JSONDecodeError as bad:
                     words = f"line {number} is not JSON ({bad.msg})"
                     break
