@@ -1130,7 +1130,8 @@ def log_step(args, record, rollouts, tracker):
         import wandb
         logged = dict(record)
         if rollouts:
-            logged["rollouts"] = wandb.Table(columns=list(rollouts[0]), data=[list(r.values()) for r in rollouts])
+            rows = [list(r.values()) for r in rollouts]
+            logged["rollouts"] = wandb.Table(columns=list(rollouts[0]), data=rows)
         tracker.log(logged, step=record["step"])
 
 

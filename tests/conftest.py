@@ -67,6 +67,14 @@ def launch_two_nodes(script_and_flags, logs, env=None):
     return procs
 
 
+def stop_nodes(procs):
+    """Kill what is left of a launch_two_nodes run: each agent leads a session of its own, its ranks in it."""
+    import signal
+    for proc in procs:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+
+
 def rank_stderr(logs, node):
     """What the rank of node `node` of a launch_two_nodes run wrote to stderr ('' before it wrote anything)."""
     found = list((Path(logs) / f"node{node}").glob("*/attempt_0/*/stderr.log"))

@@ -13,7 +13,7 @@ import sys
 import time
 from pathlib import Path
 
-from conftest import launch_two_nodes, rank_stderr, said
+from conftest import launch_two_nodes, rank_stderr, said, stop_nodes
 
 import opsd
 
@@ -82,9 +82,7 @@ def test_a_refusal_on_one_node_is_said_on_both_with_its_rank(tiny_model_dir, tmp
         try:
             reports = [proc.communicate(timeout=120)[1] for proc in nodes]
         finally:
-            for proc in nodes:
-                if proc.poll() is None:
-                    os.killpg(proc.pid, signal.SIGKILL)
+            stop_nodes(nodes)
         for node, (proc, report) in enumerate(zip(nodes, reports)):
             ours = rank_stderr(logs, node)
             assert proc.returncode != 0 and said(ours, f"opsd.py: error: {sentence}") == 1, ours[-2000:]
@@ -126,9 +124,7 @@ def test_a_rank_that_hangs_on_another_node_ends_the_run_at_the_collective_timeou
         _, torchrun0 = node0.communicate(timeout=300)
         end = time.time()
     finally:
-        for proc in (node0, node1):
-            if proc.poll() is None:
-                os.killpg(proc.pid, signal.SIGKILL)
+        stop_nodes((node0, node1))
         if "fault at " in rank_stderr(logs, 1):
             os.kill(fault_time(rank_stderr(logs, 1))[1], signal.SIGKILL)  # the stopped worker, a session of its own
     fault_at, _ = fault_time(rank_stderr(logs, 1))
@@ -154,9 +150,7 @@ def test_a_rank_that_dies_before_the_process_group_exists_ends_the_other_node_at
         end = time.time()
         _, report1 = node1.communicate(timeout=120)
     finally:
-        for proc in (node0, node1):
-            if proc.poll() is None:
-                os.killpg(proc.pid, signal.SIGKILL)
+        stop_nodes((node0, node1))
     fault_at, _ = fault_time(rank_stderr(logs, 1))
     assert node0.returncode != 0 and end - fault_at < 6 + BOUND_S, end - fault_at  # the timeout, then the exits
     assert said(rank_stderr(logs, 1), "opsd.py: error: a test's refusal before the process group exists") == 1
