@@ -3,7 +3,8 @@ Evaluate a model, or a model plus an adapter written by opsd.py, on AIME24, AIME
 
     python eval.py --model Qwen/Qwen3-1.7B --adapter runs/opsd/final --output-dir runs/eval-opsd
 
-The protocol (the OPSD paper's released one), departures from it, restarts and a CPU run: README.md, "Evaluation".
+The protocol (the OPSD paper's released one), departures from it, restarts and a CPU run:
+README.md, "Evaluation".
 """
 
 import argparse
@@ -20,13 +21,17 @@ from pathlib import Path
 
 import math_verify
 
-import opsd  # what both scripts share: the prompt, the answer's \boxed{}, the fingerprint, CPU settings
+# what both scripts share: the prompt, the answer's \boxed{}, the fingerprint, CPU settings
+import opsd
 from opsd import extract_boxed, model_dir, model_fingerprint
 
-HUB_IDS = {"aime24": "HuggingFaceH4/aime_2024", "aime25": "yentinglin/aime_2025", "hmmt25": "MathArena/hmmt_feb_2025"}
+HUB_IDS = {"aime24": "HuggingFaceH4/aime_2024", "aime25": "yentinglin/aime_2025",
+           "hmmt25": "MathArena/hmmt_feb_2025"}
 GRADING_TIMEOUT_S = 5
-# What decides what a sample is, settings and contents behind the paths: a restart must not mix samples of others.
-SAMPLING_KEYS = ("model", "adapter", "thinking", "temperature", "top_p", "max_new_tokens", "seed", "dtype")
+# What decides what a sample is, settings and contents behind the paths: a restart must not mix
+# samples of others.
+SAMPLING_KEYS = ("model", "adapter", "thinking", "temperature", "top_p", "max_new_tokens", "seed",
+                 "dtype")
 CONTENT_KEYS = {"model_fingerprint": "model weights", "adapter_sha256": "adapter weights"}
 VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # the max_lora_rank values vLLM 0.32 takes
 
@@ -57,92 +62,124 @@ def parse_args(argv=None):
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.error = fail  # argparse's refusals in the same one sentence
     g = p.add_argument_group("model")
-    g.add_argument("--model", required=True, default=argparse.SUPPRESS, help="hub id or local path of the base model")
-    g.add_argument("--adapter", help="LoRA adapter directory written by opsd.py, applied through vLLM's LoRA support")
-    g.add_argument("--allow-other-base", action="store_true", help="evaluate --adapter on a model not its base")
-    g.add_argument("--dtype", default="auto", help="vLLM weight dtype; auto takes the model config's")
-    g.add_argument("--tensor-parallel-size", type=AT_LEAST_1, default=1, help="GPUs one vLLM engine is split over")
-    g.add_argument("--gpu-memory-utilization", type=SHARE, help="share of GPU memory vLLM may take (None: vLLM's)")
+    g.add_argument("--model", required=True, default=argparse.SUPPRESS,
+                   help="hub id or local path of the base model")
+    g.add_argument("--adapter",
+                   help="LoRA adapter directory written by opsd.py, applied through vLLM's LoRA "
+                        "support")
+    g.add_argument("--allow-other-base", action="store_true",
+                   help="evaluate --adapter on a model not its base")
+    g.add_argument("--dtype", default="auto",
+                   help="vLLM weight dtype; auto takes the model config's")
+    g.add_argument("--tensor-parallel-size", type=AT_LEAST_1, default=1,
+                   help="GPUs one vLLM engine is split over")
+    g.add_argument("--gpu-memory-utilization", type=SHARE,
+                   help="share of GPU memory vLLM may take (None: vLLM's)")
     g.add_argument("--enforce-eager", action=argparse.BooleanOptionalAction, default=False,
-                   help="skip CUDA graphs and compilation: a quicker start, and what a CPU run needs")
+                   help="skip CUDA graphs and compilation: a quicker start, and what a CPU run "
+                        "needs")
     g = p.add_argument_group("data")
-    g.add_argument("--benchmarks", help=f"comma-separated, of {', '.join(HUB_IDS)} and --data (None: --data's or all)")
+    g.add_argument("--benchmarks",
+                   help=f"comma-separated, of {', '.join(HUB_IDS)} and --data (None: --data's or "
+                        "all)")
     g.add_argument("--data", action="append", default=[], metavar="NAME=PATH",
-                   help="benchmark NAME from a local file (repeatable): .jsonl (an object a line), .json (a list "
-                        "of objects) or .parquet, a row per problem: a problem column and an answer column, not null")
+                   help="benchmark NAME from a local file (repeatable): .jsonl (an object a "
+                        "line), .json (a list of objects) or .parquet, a row per problem: a "
+                        "problem column and an answer column, not null")
     g.add_argument("--problem-column", default="problem", help="column holding the problem text")
     g.add_argument("--answer-column", default="answer", help="column holding the reference answer")
-    g.add_argument("--limit", type=AT_LEAST_1, help="score each benchmark's first LIMIT problems only, and project "
-                   "the whole evaluation's hours from this run's answer length and rate (None: all problems)")
+    g.add_argument("--limit", type=AT_LEAST_1,
+                   help="score each benchmark's first LIMIT problems only, and project the "
+                        "whole evaluation's hours from this run's answer length and rate (None: "
+                        "all problems)")
     g = p.add_argument_group("sampling")
     g.add_argument("--n", type=AT_LEAST_1, default=12, help="samples per problem")
     g.add_argument("--temperature", type=NON_NEGATIVE, default=1.0, help="sampling temperature")
     g.add_argument("--top-p", type=SHARE, default=0.95, help="nucleus sampling threshold")
-    g.add_argument("--max-new-tokens", type=AT_LEAST_1, default=38912, help="generation budget per sample")
-    g.add_argument("--thinking", action=argparse.BooleanOptionalAction, default=True, help="enable_thinking")
+    g.add_argument("--max-new-tokens", type=AT_LEAST_1, default=38912,
+                   help="generation budget per sample")
+    g.add_argument("--thinking", action=argparse.BooleanOptionalAction, default=True,
+                   help="enable_thinking")
     g.add_argument("--seed", type=int, default=42, help="root of every per-sample seed")
-    p.add_argument("--output-dir", required=True, default=argparse.SUPPRESS, help="for samples, summary and config")
-    p.add_argument("--baseline", metavar="DIR", help="another run's --output-dir, of the same problems (the base "
-                   "model's, say): the difference in avg@n from it, paired by problem, with its standard error")
+    p.add_argument("--output-dir", required=True, default=argparse.SUPPRESS,
+                   help="for samples, summary and config")
+    p.add_argument("--baseline", metavar="DIR",
+                   help="another run's --output-dir, of the same problems (the base model's, "
+                        "say): the difference in avg@n from it, paired by problem, with its "
+                        "standard error")
     return p.parse_args(argv)
 
 
 # -----------------------------------------------------------------------------
-# Prompts and sampling with vLLM: the released prompt as token ids; one engine samples everything, each sample
-# with its own seed (a restart draws the same sample again) and written to samples.jsonl the moment it finishes.
+# Prompts and sampling with vLLM: the released prompt as token ids; one engine samples everything,
+# each sample with its own seed (a restart draws the same sample again) and written to samples.jsonl
+# the moment it finishes.
 
 def prompt_ids(tokenizer, problem, thinking):
-    """The released evaluation's prompt (opsd.py --student-prompt eval trains in it), as token ids."""
+    """The released evaluation's prompt (opsd.py --student-prompt eval trains in it), as token
+    ids."""
     return opsd.render(tokenizer, opsd.student_message(problem, "eval"), thinking)
 
 def sample_seed(seed, benchmark, problem, sample):
-    digest = hashlib.sha256(f"{seed}/{benchmark}/{problem}/{sample}".encode()).digest()  # hash() is salted
+    # hash() is salted
+    digest = hashlib.sha256(f"{seed}/{benchmark}/{problem}/{sample}".encode()).digest()
     return int.from_bytes(digest[:4], "little")
 
 def start_engine(args):
-    """The vLLM engine, and the LoRARequest that applies --adapter to every sample (None without one)."""
+    """The vLLM engine, and the LoRARequest that applies --adapter to every sample (None without
+    one)."""
     from transformers import AutoConfig
     try:  # a hub id without network: one sentence, not vLLM's traceback
         AutoConfig.from_pretrained(args.model)
     except (OSError, ValueError) as e:
-        fail(f"--model {args.model}: cannot load its config ({str(e).splitlines()[0]}); without network, pass a "
-             "local model directory.")
+        fail(f"--model {args.model}: cannot load its config ({str(e).splitlines()[0]}); without "
+             "network, pass a local model directory.")
     from vllm import LLM
     from vllm.lora.request import LoRARequest
     from vllm.platforms import current_platform
     cpu = current_platform.is_cpu()
-    # its ~90 start-up lines would bury the progress; the CPU build reserves 92% of RAM without a KV cache size (and
-    # --gpu-memory-utilization is a share of RAM there)
+    # its ~90 start-up lines would bury the progress; the CPU build reserves 92% of RAM without a KV
+    # cache size (and --gpu-memory-utilization is a share of RAM there)
     opsd.engine_environment(cpu and args.gpu_memory_utilization is None)
     extra = {"enforce_eager": args.enforce_eager, **(opsd.CPU_ENGINE if cpu else {})}
     if args.gpu_memory_utilization is not None:
         extra["gpu_memory_utilization"] = args.gpu_memory_utilization
     if cpu:
-        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the engine in this process: a 2x quicker start
-    if args.adapter:  # vLLM takes only some maximum ranks: the smallest that holds the adapter's (check_adapter)
+        # the engine in this process: a 2x quicker start
+        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    # vLLM takes only some maximum ranks: the smallest that holds the adapter's (check_adapter)
+    if args.adapter:
         rank = json.loads((Path(args.adapter) / "adapter_config.json").read_text())["r"]
         extra.update(enable_lora=True, max_lora_rank=min(r for r in VLLM_LORA_RANKS if r >= rank))
-    llm = LLM(model=args.model, dtype=args.dtype, seed=args.seed, tensor_parallel_size=args.tensor_parallel_size,
-              use_tqdm_on_load=False, **extra)
-    return llm, (LoRARequest("adapter", 1, str(Path(args.adapter).resolve())) if args.adapter else None)
+    llm = LLM(model=args.model, dtype=args.dtype, seed=args.seed,
+              tensor_parallel_size=args.tensor_parallel_size, use_tqdm_on_load=False, **extra)
+    lora = None
+    if args.adapter:
+        lora = LoRARequest("adapter", 1, str(Path(args.adapter).resolve()))
+    return llm, lora
 
 def draw(args, problems, todo, out_dir, config):
-    """Sample every (benchmark, problem, sample) in `todo`, appending each record as it finishes. Returns the
-    seconds to start (engine and tokenizer) and the seconds of sampling."""
+    """Sample every (benchmark, problem, sample) in `todo`, appending each record as it finishes.
+    Returns the seconds to start (engine and tokenizer) and the seconds of sampling."""
     started = time.perf_counter()
     llm, lora = start_engine(args)
     from transformers import AutoTokenizer
     from vllm.inputs import TokensPrompt
     from vllm.sampling_params import RequestOutputKind, SamplingParams
     tokenizer = AutoTokenizer.from_pretrained(args.model)
-    (out_dir / "config.json").write_text(json.dumps(config, indent=2) + "\n")  # once up, before any sample exists
-    # The engine's own loop, not llm.generate(): a sample is written as it finishes, a kill loses those in flight.
+    # once up, before any sample exists
+    (out_dir / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    # The engine's own loop, not llm.generate(): a sample is written as it finishes, a kill loses
+    # those in flight.
     engine = llm.llm_engine
     sampling = time.perf_counter()
     for k, (b, i, j) in enumerate(todo):
-        params = SamplingParams(temperature=args.temperature, top_p=args.top_p, max_tokens=args.max_new_tokens,
-                                seed=sample_seed(args.seed, b, i, j), output_kind=RequestOutputKind.FINAL_ONLY)
-        prompt = TokensPrompt(prompt_token_ids=prompt_ids(tokenizer, problems[b][i]["problem"], args.thinking))
+        params = SamplingParams(temperature=args.temperature, top_p=args.top_p,
+                                max_tokens=args.max_new_tokens,
+                                seed=sample_seed(args.seed, b, i, j),
+                                output_kind=RequestOutputKind.FINAL_ONLY)
+        ids = prompt_ids(tokenizer, problems[b][i]["problem"], args.thinking)
+        prompt = TokensPrompt(prompt_token_ids=ids)
         engine.add_request(str(k), prompt, params, lora_request=lora)
     finished = 0
     with (out_dir / "samples.jsonl").open("a") as f:
@@ -154,48 +191,57 @@ def draw(args, problems, todo, out_dir, config):
                 record = {"benchmark": b, "problem": i, "sample": j, "hash": problems[b][i]["hash"],
                           "answer": extract_boxed(completion.text),
                           "correct": is_correct(completion.text, problems[b][i]["answer"]),
-                          "tokens": len(completion.token_ids), "truncated": completion.finish_reason == "length",
-                          "completion": completion.text}  # kept so samples can be regraded without resampling
+                          "tokens": len(completion.token_ids),
+                          "truncated": completion.finish_reason == "length",
+                          # kept so samples can be regraded without resampling
+                          "completion": completion.text}
                 f.write(json.dumps(record) + "\n")
                 f.flush()
                 finished += 1
                 if finished % max(1, len(todo) // 20) == 0 or finished == len(todo):
                     print(f"{finished}/{len(todo)} samples", flush=True)
     sampled = time.perf_counter()
-    # Stopped here: left to vLLM's exit handlers, the engine process is killed and reported "exited unexpectedly".
+    # Stopped here: left to vLLM's exit handlers, the engine process is killed and reported "exited
+    # unexpectedly".
     engine.engine_core.shutdown(timeout=60)
     return sampling - started, sampled - sampling
 
 
 # -----------------------------------------------------------------------------
-# Grading and metrics: the released evaluation's verdict (the last \boxed's content against the gold answer, by
-# math_verify), and the metrics from the sample records alone, so that a resumed run and an uninterrupted one agree.
+# Grading and metrics: the released evaluation's verdict (the last \boxed's content against the gold
+# answer, by math_verify), and the metrics from the sample records alone, so that a resumed run and
+# an uninterrupted one agree.
 
 def verdict(predicted, gold):
-    """Is `predicted` (None: no answer) equal to `gold`? math_verify decides, with no fallback and 5 s timeouts
-    (SIGALRM alarms: main thread only); only if it raises are the two compared as strings."""
+    """Is `predicted` (None: no answer) equal to `gold`? math_verify decides, with no fallback and
+    5 s timeouts (SIGALRM alarms: main thread only); only if it raises are the two compared as
+    strings."""
     if predicted is None:
         return False
     predicted, gold = (s if "$" in s else f"${s}$" for s in (predicted, gold))
     try:
-        gold_parsed, predicted_parsed = (math_verify.parse(s, parsing_timeout=GRADING_TIMEOUT_S,
-                                                           fallback_mode="no_fallback") for s in (gold, predicted))
-        return bool(math_verify.verify(gold_parsed, predicted_parsed, timeout_seconds=GRADING_TIMEOUT_S))
+        gold_parsed, predicted_parsed = (
+            math_verify.parse(s, parsing_timeout=GRADING_TIMEOUT_S, fallback_mode="no_fallback")
+            for s in (gold, predicted))
+        return bool(math_verify.verify(gold_parsed, predicted_parsed,
+                                       timeout_seconds=GRADING_TIMEOUT_S))
     except Exception:
-        plain_predicted, plain_gold = (s.replace("$", "").replace(" ", "").lower().strip() for s in (predicted, gold))
+        plain_predicted, plain_gold = (s.replace("$", "").replace(" ", "").lower().strip()
+                                       for s in (predicted, gold))
         return plain_predicted == plain_gold
 
 def require_main_thread():
     if threading.current_thread() is not threading.main_thread():
-        raise RuntimeError("eval.py grades in the main thread only: math_verify's 5 s timeout is a SIGALRM "
-                           "alarm, which no other thread can set.")
+        raise RuntimeError("eval.py grades in the main thread only: math_verify's 5 s timeout is a "
+                           "SIGALRM alarm, which no other thread can set.")
 
 def is_correct(completion, answer):
     require_main_thread()
     return verdict(extract_boxed(completion), str(answer))
 
 def majority_correct(samples):
-    """Is the most common answer correct? Votes by equivalence ("033" = "33"), ties to the earliest; no vote: False."""
+    """Is the most common answer correct? Votes by equivalence ("033" = "33"), ties to the
+    earliest; no vote: False."""
     require_main_thread()
     groups = []  # [first sample of the group, votes]
     for s in sorted((s for s in samples if s["answer"] is not None), key=lambda s: s["sample"]):
@@ -210,8 +256,9 @@ def majority_correct(samples):
     return max(groups, key=lambda g: g[1])[0]["correct"]  # max keeps the first of equal counts
 
 def summarize(samples, n):
-    """Per benchmark and pooled ('all'), over P problems of n samples: avg@n = correct samples / (P n), pass@n =
-    problems with a correct sample / P, maj@n = problems whose majority answer is right / P; tokens; cut-off share."""
+    """Per benchmark and pooled ('all'), over P problems of n samples: avg@n = correct samples /
+    (P n), pass@n = problems with a correct sample / P, maj@n = problems whose majority answer is
+    right / P; tokens; cut-off share."""
     by_problem = defaultdict(list)
     for s in samples:
         by_problem[s["benchmark"], s["problem"]].append(s)
@@ -223,8 +270,10 @@ def summarize(samples, n):
             tokens=sum(s["tokens"] for s in group), truncated=sum(s["truncated"] for s in group))
     counts["all"] = sum(counts.values(), Counter())
     return {name: {"problems": c["problems"], "samples": c["samples"],
-                   f"avg@{n}": c["correct"] / c["samples"], f"pass@{n}": c["solved"] / c["problems"],
-                   f"maj@{n}": c["majority"] / c["problems"], "mean_tokens": c["tokens"] / c["samples"],
+                   f"avg@{n}": c["correct"] / c["samples"],
+                   f"pass@{n}": c["solved"] / c["problems"],
+                   f"maj@{n}": c["majority"] / c["problems"],
+                   "mean_tokens": c["tokens"] / c["samples"],
                    "truncated": c["truncated"] / c["samples"]}
             for name, c in counts.items()}
 
@@ -239,11 +288,14 @@ def format_table(summary, n):
 
 
 # -----------------------------------------------------------------------------
-# Run: check what a user can get wrong, read the problems, draw what samples.jsonl lacks, summarise the file.
+# Run: check what a user can get wrong, read the problems, draw what samples.jsonl lacks, summarise
+# the file.
 
 def main(argv=None):
     args = parse_args(argv)
-    try:  # before anything loads: a CPU build of torch on a GPU machine would sample on the CPU (vLLM's CPU build)
+    # before anything loads: a CPU build of torch on a GPU machine would sample on the CPU (vLLM's
+    # CPU build)
+    try:
         opsd.check_cuda_build()
     except opsd.Refusal as e:  # opsd.py's sentence
         fail(str(e))
@@ -252,13 +304,16 @@ def main(argv=None):
 
 def evaluate(args):
     sources = benchmark_sources(args.benchmarks, args.data)
-    if local_path(args.model) and not Path(args.model).expanduser().is_dir():  # opsd.py's rule
-        fail(f"--model {args.model}: no such directory; pass a model's directory or a hub id such as "
-             "Qwen/Qwen3-1.7B.")
+    # opsd.py's rule
+    if local_path(args.model) and not Path(args.model).expanduser().is_dir():
+        fail(f"--model {args.model}: no such directory; pass a model's directory or a hub id such "
+             "as Qwen/Qwen3-1.7B.")
     if args.adapter:
         check_adapter(args.adapter, args.model, args.allow_other_base)
-    problems = {b: load_problems(b, src, args.problem_column, args.answer_column) for b, src in sources.items()}
-    # --limit: each benchmark's first problems (a rerun without it draws the others into the same directory)
+    problems = {b: load_problems(b, src, args.problem_column, args.answer_column)
+                for b, src in sources.items()}
+    # --limit: each benchmark's first problems (a rerun without it draws the others into the same
+    # directory)
     scored = {b: range(len(problems[b][:args.limit])) for b in problems}
     wanted = [(b, i, j) for b in problems for i in scored[b] for j in range(args.n)]
     baseline = None
@@ -268,10 +323,13 @@ def evaluate(args):
     out_dir.mkdir(parents=True, exist_ok=True)
     samples_path = out_dir / "samples.jsonl"
     done = read_samples(samples_path)
-    adapter_files = sorted(Path(args.adapter).glob("adapter_*")) if args.adapter else []  # config, then weights
-    config = {**{k: getattr(args, k) for k in SAMPLING_KEYS}, "model_fingerprint": model_fingerprint(args.model),
-              "adapter_sha256": hashlib.sha256(b"".join(f.read_bytes() for f in adapter_files)).hexdigest()
-              if adapter_files else None}
+    # config, then weights
+    adapter_files = sorted(Path(args.adapter).glob("adapter_*")) if args.adapter else []
+    adapter_sha256 = None
+    if adapter_files:
+        adapter_sha256 = hashlib.sha256(b"".join(f.read_bytes() for f in adapter_files)).hexdigest()
+    config = {**{k: getattr(args, k) for k in SAMPLING_KEYS},
+              "model_fingerprint": model_fingerprint(args.model), "adapter_sha256": adapter_sha256}
     check_resume(out_dir, config, problems, done)
     todo = [key for key in wanted if key not in done]
     print(f"{len(wanted) - len(todo)} of {len(wanted)} samples already in {samples_path}")
@@ -287,7 +345,8 @@ def evaluate(args):
     print(format_table(summary["metrics"], args.n))
     if args.limit:
         whole = args.n * sum(len(p) for p in problems.values())
-        summary["cost"] = measure_cost(summary["metrics"]["all"], [done[key] for key in todo], seconds, whole)
+        drawn = [done[key] for key in todo]
+        summary["cost"] = measure_cost(summary["metrics"]["all"], drawn, seconds, whole)
     if baseline:
         summary["baseline"] = {"dir": args.baseline, "metrics": compare(samples, baseline, args.n)}
         print(format_comparison(summary["baseline"], args.n))
@@ -299,32 +358,39 @@ def evaluate(args):
 # What an evaluation costs, measured on a few problems (--limit) before the whole is paid for.
 
 def measure_cost(measured, drawn, seconds, whole):
-    """This run's mean answer length and rate, and the whole evaluation's hours projected from them: `whole`
-    answers of that mean length at the rate this run drew its own, after a start as long as its own. Printed."""
+    """This run's mean answer length and rate, and the whole evaluation's hours projected from
+    them: `whole` answers of that mean length at the rate this run drew its own, after a start as
+    long as its own. Printed."""
     if not drawn:
-        print("cost: no sample was drawn by this run, so no rate was measured: use a new --output-dir to measure.")
+        print("cost: no sample was drawn by this run, so no rate was measured: use a new "
+              "--output-dir to measure.")
         return None
     start_s, sampling_s = seconds
     tokens = sum(s["tokens"] for s in drawn)
     rate = tokens / sampling_s
     hours = (start_s + whole * measured["mean_tokens"] / rate) / 3600
-    print(f"cost: {measured['samples']:,} answers of {measured['mean_tokens']:,.0f} tokens on average; "
-          f"{tokens:,} tokens drawn in {sampling_s:,.1f} s ({rate:,.0f} tokens/s), after {start_s:,.1f} s to start")
-    print(f"the whole evaluation, {whole:,} answers at this rate: {hours:.2f} h on this machine, an estimate (a "
-          "longer run keeps more answers going at once, faster per token); for other GPUs, pass --answer-tokens "
-          f"{round(measured['mean_tokens'])} to tests/gpu_check/budget.py --eval")
-    return {"mean_tokens": measured["mean_tokens"], "drawn_tokens": tokens, "start_seconds": start_s,
-            "sampling_seconds": sampling_s, "tokens_per_second": rate, "whole_answers": whole,
-            "projected_hours": hours}
+    print(f"cost: {measured['samples']:,} answers of {measured['mean_tokens']:,.0f} tokens on "
+          f"average; {tokens:,} tokens drawn in {sampling_s:,.1f} s ({rate:,.0f} tokens/s), after "
+          f"{start_s:,.1f} s to start")
+    print(f"the whole evaluation, {whole:,} answers at this rate: {hours:.2f} h on this machine, "
+          "an estimate (a longer run keeps more answers going at once, faster per token); for "
+          f"other GPUs, pass --answer-tokens {round(measured['mean_tokens'])} to "
+          "tests/gpu_check/budget.py --eval")
+    return {"mean_tokens": measured["mean_tokens"], "drawn_tokens": tokens,
+            "start_seconds": start_s, "sampling_seconds": sampling_s, "tokens_per_second": rate,
+            "whole_answers": whole, "projected_hours": hours}
 
 
 # -----------------------------------------------------------------------------
-# Two runs of the same problems compared problem by problem: a checkpoint against its base model, say.
+# Two runs of the same problems compared problem by problem: a checkpoint against its base model,
+# say.
 
-# Problems as a sample: the standard error says whether this run beats the baseline on problems like these; each
-# problem's difficulty, common to both runs, cancels in d_i, and each share's sampling noise stays in sd(d_i).
-NOISE_MODEL = ("d_i = this run's share correct on problem i minus the baseline's; the difference is mean(d_i), its "
-               "standard error sd(d_i) / sqrt(N) over the N problems, beyond noise when over 2 standard errors")
+# Problems as a sample: the standard error says whether this run beats the baseline on problems like
+# these; each problem's difficulty, common to both runs, cancels in d_i, and each share's sampling
+# noise stays in sd(d_i).
+NOISE_MODEL = ("d_i = this run's share correct on problem i minus the baseline's; the difference "
+               "is mean(d_i), its standard error sd(d_i) / sqrt(N) over the N problems, beyond "
+               "noise when over 2 standard errors")
 
 def shares_correct(samples):
     """{(benchmark, problem): the share of its samples graded correct}."""
@@ -334,28 +400,30 @@ def shares_correct(samples):
     return {key: sum(c) / len(c) for key, c in graded.items()}
 
 def baseline_shares(directory, problems, scored):
-    """shares_correct of another run's samples on this run's problems, refused unless it scored each of them and
-    the same one (its problem and answer, hashed); read, never rewritten."""
+    """shares_correct of another run's samples on this run's problems, refused unless it scored
+    each of them and the same one (its problem and answer, hashed); read, never rewritten."""
     path = Path(directory) / "samples.jsonl"
     if not path.is_file():
-        fail(f"--baseline {directory}: no samples.jsonl there; pass an --output-dir that eval.py wrote.")
+        fail(f"--baseline {directory}: no samples.jsonl there; pass an --output-dir that eval.py "
+             "wrote.")
     shared = [s for s in read_samples(path, repair=False).values()
               if s["benchmark"] in scored and s["problem"] in scored[s["benchmark"]]]
     for s in shared:
         if s.get("hash") != problems[s["benchmark"]][s["problem"]]["hash"]:
-            fail(f"--baseline {directory} scored another {s['benchmark']} problem {s['problem']} than this run: "
-                 "compare runs of the same problems.")
+            fail(f"--baseline {directory} scored another {s['benchmark']} problem {s['problem']} "
+                 "than this run: compare runs of the same problems.")
     shares = shares_correct(shared)
     for b in scored:
         for i in scored[b]:
             if (b, i) not in shares:
-                fail(f"--baseline {directory} holds no sample of {b} problem {i}: compare runs of the same "
-                     "problems.")
+                fail(f"--baseline {directory} holds no sample of {b} problem {i}: compare runs of "
+                     "the same problems.")
     return shares
 
 def compare(samples, baseline, n):
-    """Per benchmark and pooled ('all'): avg@n here and the baseline's on the same problems, their difference and
-    its paired standard error (NOISE_MODEL; None for one problem), and whether it is beyond noise."""
+    """Per benchmark and pooled ('all'): avg@n here and the baseline's on the same problems, their
+    difference and its paired standard error (NOISE_MODEL; None for one problem), and whether it is
+    beyond noise."""
     shares = shares_correct(samples)
     by_benchmark = defaultdict(list)
     for (b, i), share in shares.items():
@@ -369,8 +437,9 @@ def compare(samples, baseline, n):
         if len(d) > 1:
             error = statistics.stdev(d) / math.sqrt(len(d))
         table[name] = {"problems": len(d), f"avg@{n}": sum(here for here, _ in pairs) / len(d),
-                       "baseline": sum(there for _, there in pairs) / len(d), "difference": difference,
-                       "standard_error": error, "beyond_noise": error is not None and abs(difference) > 2 * error}
+                       "baseline": sum(there for _, there in pairs) / len(d),
+                       "difference": difference, "standard_error": error,
+                       "beyond_noise": error is not None and abs(difference) > 2 * error}
     return table
 
 def format_comparison(comparison, n):
@@ -391,7 +460,8 @@ def format_comparison(comparison, n):
 
 # =============================================================================
 # What keeps an evaluation honest
-# Bad input is refused early, in one sentence, before any engine starts; a restart cannot mix in other samples.
+# Bad input is refused early, in one sentence, before any engine starts; a restart cannot mix in
+# other samples.
 
 # -----------------------------------------------------------------------------
 # Data: benchmark names, and reading the problems; a bad file is named with its line or row.
@@ -404,37 +474,43 @@ def benchmark_sources(benchmarks, data):
         if not sep or not name or not path:
             fail(f"--data takes NAME=PATH, got '{item}': pass e.g. --data aime24=aime24.jsonl.")
         if not Path(path).is_file():
-            fail(f"--data {name}: no file at {path}; pass the path of a .jsonl, .json or .parquet file.")
+            fail(f"--data {name}: no file at {path}; pass the path of a .jsonl, .json or .parquet "
+                 "file.")
         local[name] = path
-    names = [b.strip() for b in benchmarks.split(",") if b.strip()] if benchmarks else (list(local) or list(HUB_IDS))
+    names = list(local) or list(HUB_IDS)
+    if benchmarks:
+        names = [b.strip() for b in benchmarks.split(",") if b.strip()]
     for name in names:
         if name not in local and name not in HUB_IDS:
             fail(f"Unknown benchmark '{name}': choose from {', '.join(HUB_IDS)} "
-                             f"or give a file with --data {name}=PATH.")
+                 f"or give a file with --data {name}=PATH.")
     return {name: local.get(name, HUB_IDS.get(name)) for name in names}
 
 def local_path(value):
-    """True when `value` names a local file or directory, not a hub id (org/name): opsd.py's rule."""
+    """True when `value` names a local file or directory, not a hub id (org/name): opsd.py's
+    rule."""
     path = Path(value).expanduser()
     if path.exists() or value.startswith((".", "/", "~")) or value.count("/") > 1:
         return True
     return len(path.parts) > 1 and Path(path.parts[0]).is_dir()
 
 def use_cache_if_hub_silent(timeout_s=3):
-    """Without network the Hugging Face libraries retry each request for ~25 s: set HF_HUB_OFFLINE (read when they
-    are imported) if the Hub does not answer within timeout_s, so that they go to their cache at once."""
+    """Without network the Hugging Face libraries retry each request for ~25 s: set HF_HUB_OFFLINE
+    (read when they are imported) if the Hub does not answer within timeout_s, so that they go to
+    their cache at once."""
     import urllib.error
     import urllib.request
     try:
-        request = urllib.request.Request(os.environ.get("HF_ENDPOINT", "https://huggingface.co"), method="HEAD")
+        endpoint = os.environ.get("HF_ENDPOINT", "https://huggingface.co")
+        request = urllib.request.Request(endpoint, method="HEAD")
         urllib.request.urlopen(request, timeout=timeout_s).close()
     except (OSError, ValueError) as e:  # no answer in time; an HTTP error is an answer
         if not isinstance(e, urllib.error.HTTPError):
             os.environ["HF_HUB_OFFLINE"] = "1"
 
 def read_rows(name, source):
-    """Rows (dicts) of a local .jsonl (an object a line), .json (a list of objects, or an object a line) or .parquet
-    file, or of a hub dataset's train split; a bad file is named with its line."""
+    """Rows (dicts) of a local .jsonl (an object a line), .json (a list of objects, or an object a
+    line) or .parquet file, or of a hub dataset's train split; a bad file is named with its line."""
     path = Path(source)
     if not path.is_file():
         use_cache_if_hub_silent()
@@ -442,15 +518,18 @@ def read_rows(name, source):
         try:
             return [dict(row) for row in load_dataset(source, split="train")]
         except Exception as e:  # the hub's many failures all mean one thing here
-            fail(f"{source}: cannot load split 'train' from the hub ({str(e).splitlines()[0]}); without network, "
-                 f"use a local copy: --data {name}=FILE (a .jsonl, .json or .parquet of problem and answer columns).")
+            fail(f"{source}: cannot load split 'train' from the hub ({str(e).splitlines()[0]}); "
+                 f"without network, use a local copy: --data {name}=FILE (a .jsonl, .json or "
+                 ".parquet of problem and answer columns).")
     if path.suffix.lower() == ".parquet":
         import pyarrow.parquet as pq
         return pq.read_table(path).to_pylist()
     if path.suffix.lower() not in (".json", ".jsonl"):
-        fail(f"{source}: a benchmark file must be .jsonl, .json or .parquet; convert it, or rename it if it is one.")
+        fail(f"{source}: a benchmark file must be .jsonl, .json or .parquet; convert it, or rename "
+             "it if it is one.")
     text = path.read_text()
-    # lines end at "\n" only: JSON allows U+2028 and U+0085 inside a string, where str.splitlines would cut
+    # lines end at "\n" only: JSON allows U+2028 and U+0085 inside a string, where str.splitlines
+    # would cut
     chunks = [(1, text)] if text.lstrip().startswith("[") else enumerate(text.split("\n"), 1)
     rows = []
     for number, chunk in chunks:
@@ -458,29 +537,33 @@ def read_rows(name, source):
             try:
                 value = json.loads(chunk)
             except json.JSONDecodeError as e:
-                fail(f"{source}, line {number + e.lineno - 1}: not valid JSON ({e.msg}); fix that line.")
+                fail(f"{source}, line {number + e.lineno - 1}: not valid JSON ({e.msg}); fix that "
+                     "line.")
             rows.extend(value if isinstance(value, list) else [value])
     if not all(isinstance(row, dict) for row in rows):
-        fail(f"{source}: every row must be a JSON object: write one object a line (.jsonl), or a list of objects "
-             "(.json).")
+        fail(f"{source}: every row must be a JSON object: write one object a line (.jsonl), or a "
+             "list of objects (.json).")
     return rows
 
 def check_column(rows, source, flag, column):
-    """Every row holds `column`, a string or a number (a bool is none), else a sentence naming the row or flag."""
+    """Every row holds `column`, a string or a number (a bool is none), else a sentence naming the
+    row or flag."""
     if column not in rows[0]:
-        fail(f"{source} has no column {column!r}; its columns are {list(rows[0])}: name the right one with {flag}.")
+        fail(f"{source} has no column {column!r}; its columns are {list(rows[0])}: name the right "
+             f"one with {flag}.")
     for number, row in enumerate(rows, 1):
         value = row.get(column)
         if not isinstance(value, (str, int, float)) or isinstance(value, bool):
-            fail(f"{source}, row {number}: {column!r} is {value!r}, not a string or a number; fix or remove that "
-                 "row.")
+            fail(f"{source}, row {number}: {column!r} is {value!r}, not a string or a number; fix "
+                 "or remove that row.")
 
 def load_problems(name, source, problem_column, answer_column):
-    """[{problem, answer, hash}], the answer as text; no rows, a missing column or a missing answer is refused."""
+    """[{problem, answer, hash}], the answer as text; no rows, a missing column or a missing answer
+    is refused."""
     rows = read_rows(name, source)
     if not rows:
-        fail(f"{name}: {source} holds no problems; write a row per problem in it, or pass another file with "
-             f"--data {name}=FILE.")
+        fail(f"{name}: {source} holds no problems; write a row per problem in it, or pass another "
+             f"file with --data {name}=FILE.")
     check_column(rows, source, "--problem-column", problem_column)
     check_column(rows, source, "--answer-column", answer_column)
     problems = []
@@ -492,12 +575,13 @@ def load_problems(name, source, problem_column, answer_column):
 
 
 # -----------------------------------------------------------------------------
-# Resume, and contents rather than paths: samples.jsonl is the only state; a restart refuses samples drawn under
-# other settings, problems or weights (a fingerprint of the model's files, a hash of the adapter's); adapters must fit.
+# Resume, and contents rather than paths: samples.jsonl is the only state; a restart refuses samples
+# drawn under other settings, problems or weights (a fingerprint of the model's files, a hash of the
+# adapter's); adapters must fit.
 
 def read_samples(path, repair=True):
-    """Records by (benchmark, problem, sample); a line cut by a kill is dropped, and with `repair` the file rewritten
-    without it, so none is appended to a fragment."""
+    """Records by (benchmark, problem, sample); a line cut by a kill is dropped, and with `repair`
+    the file rewritten without it, so none is appended to a fragment."""
     done, broken = {}, 0
     for line in path.read_text().splitlines() if path.exists() else []:
         try:
@@ -512,38 +596,46 @@ def read_samples(path, repair=True):
     return done
 
 def check_resume(out_dir, config, problems, done):
-    """Settings count once a sample exists (a run that died before one binds no rerun); contents where both hashed."""
+    """Settings count once a sample exists (a run that died before one binds no rerun); contents
+    where both hashed."""
     if not done:
         return
     path = out_dir / "config.json"
     old = json.loads(path.read_text()) if path.exists() else {}
     changed = [k for k in SAMPLING_KEYS if old.get(k) != config[k]]
-    changed += [what for k, what in CONTENT_KEYS.items() if None not in (old.get(k), config[k]) and old[k] != config[k]]
+    changed += [what for k, what in CONTENT_KEYS.items()
+                if None not in (old.get(k), config[k]) and old[k] != config[k]]
     if changed:
-        fail(f"{out_dir} holds samples drawn with other {', '.join(changed)}: use a new --output-dir.")
+        fail(f"{out_dir} holds samples drawn with other {', '.join(changed)}: use a new "
+             "--output-dir.")
     for b, i, _ in done:
-        if b in problems and (i >= len(problems[b]) or done[b, i, _].get("hash") != problems[b][i]["hash"]):
+        if b not in problems:
+            continue
+        if i >= len(problems[b]) or done[b, i, _].get("hash") != problems[b][i]["hash"]:
             fail(f"{out_dir} holds samples of another {b} (problem {i} differs from the one "
-                             "read now): use a new --output-dir.")
+                 "read now): use a new --output-dir.")
 
 def check_adapter(adapter, model, allow_other_base):
     path = Path(adapter)
     if not (path / "adapter_config.json").is_file():
         fail(f"No adapter_config.json in {adapter}: pass a directory written by opsd.py.")
-    if not any((path / name).is_file() for name in ("adapter_model.safetensors", "adapter_model.bin")):
+    weights = ("adapter_model.safetensors", "adapter_model.bin")
+    if not any((path / name).is_file() for name in weights):
         fail(f"{adapter} holds an adapter config but no adapter_model.safetensors: "
-                         "pass a directory written by opsd.py.")
+             "pass a directory written by opsd.py.")
     config = json.loads((path / "adapter_config.json").read_text())
     rank, base = config.get("r"), config.get("base_model_name_or_path")
     if type(rank) is not int or not 1 <= rank <= max(VLLM_LORA_RANKS):
         fail(f"{adapter} has LoRA rank {rank}, and vLLM serves ranks 1 to {max(VLLM_LORA_RANKS)}: "
-                         "train with a smaller --lora-r.")
+             "train with a smaller --lora-r.")
     base_dir = model_dir(base) if base else None
-    if allow_other_base or base in (None, model) or (base_dir is not None and base_dir == model_dir(model)):
+    same_dir = base_dir is not None and base_dir == model_dir(model)
+    if allow_other_base or base in (None, model) or same_dir:
         return
     if model_fingerprint(base) is None or model_fingerprint(base) != model_fingerprint(model):
         fail(f"{adapter} was trained on {base}, which is neither the directory nor the weights of "
-                         f"--model {model}: pass --model {base}, or --allow-other-base to evaluate it on this model.")
+             f"--model {model}: pass --model {base}, or --allow-other-base to evaluate it on this "
+             "model.")
 
 if __name__ == "__main__":
     main()

@@ -72,6 +72,11 @@ def test_eval_py_stands_alone():
     assert "METHOD" not in (ROOT / "eval.py").read_text()
 
 
+def test_eval_py_keeps_opsd_py_line_standard():
+    lines = (ROOT / "eval.py").read_text().splitlines()
+    assert [n for n, line in enumerate(lines, 1) if len(line) > 100] == []
+
+
 # -----------------------------------------------------------------------------
 # Data files
 
