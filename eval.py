@@ -12,6 +12,9 @@ import hashlib
 import json
 import math
 import os
+import random
+import shlex
+import signal
 import statistics
 import sys
 import threading
@@ -28,6 +31,7 @@ from opsd import extract_boxed, model_dir, model_fingerprint
 HUB_IDS = {"aime24": "HuggingFaceH4/aime_2024", "aime25": "yentinglin/aime_2025",
            "hmmt25": "MathArena/hmmt_feb_2025"}
 GRADING_TIMEOUT_S = 5
+LIMIT_SEED = 0  # the draw of --limit's problems; not --seed, so runs of other seeds pair up
 # What decides what a sample is, settings and contents behind the paths: a restart must not mix
 # samples of others.
 SAMPLING_KEYS = ("model", "adapter", "thinking", "temperature", "top_p", "max_new_tokens", "seed",
@@ -76,8 +80,9 @@ def parse_args(argv=None):
     g.add_argument("--gpu-memory-utilization", type=SHARE,
                    help="share of GPU memory vLLM may take (None: vLLM's)")
     g.add_argument("--enforce-eager", action=argparse.BooleanOptionalAction, default=False,
-                   help="skip CUDA graphs and compilation: a quicker start, and what a CPU run "
-                        "needs")
+                   help="turn off vLLM's torch.compile and CUDA graph capture (vLLM's "
+                        "enforce_eager): the fallback when the engine's start fails in either on "
+                        "a GPU; a quicker start, slower sampling; what a CPU run needs")
     g = p.add_argument_group("data")
     g.add_argument("--benchmarks",
                    help=f"comma-separated, of {', '.join(HUB_IDS)} and --data (None: --data's or "
@@ -89,9 +94,10 @@ def parse_args(argv=None):
     g.add_argument("--problem-column", default="problem", help="column holding the problem text")
     g.add_argument("--answer-column", default="answer", help="column holding the reference answer")
     g.add_argument("--limit", type=AT_LEAST_1,
-                   help="score each benchmark's first LIMIT problems only, and project the "
-                        "whole evaluation's hours from this run's answer length and rate (None: "
-                        "all problems)")
+                   help="score LIMIT problems of each benchmark, drawn at random with a fixed "
+                        "seed (not --seed: every run with this LIMIT scores the same ones), and "
+                        "project the whole evaluation's hours from this run's answer length and "
+                        "rate; a later run without it keeps these samples (None: all problems)")
     g = p.add_argument_group("sampling")
     g.add_argument("--n", type=AT_LEAST_1, default=12, help="samples per problem")
     g.add_argument("--temperature", type=NON_NEGATIVE, default=1.0, help="sampling temperature")
@@ -120,17 +126,28 @@ def prompt_ids(tokenizer, problem, thinking):
     ids."""
     return opsd.render(tokenizer, opsd.student_message(problem, "eval"), thinking)
 
+def limited(benchmark, count, limit):
+    """The problems --limit scores, by index: the first `limit` of the benchmark's `count` problems
+    shuffled by a generator seeded with LIMIT_SEED and the benchmark's name, in their own order. A
+    year's problems run from easy to hard, so its first ones would understate the answers' length.
+    A smaller limit's problems are among a larger one's; no limit: all of them."""
+    if limit is None or limit >= count:
+        return list(range(count))
+    order = random.Random(f"{LIMIT_SEED}/{benchmark}").sample(range(count), count)
+    return sorted(order[:limit])
+
 def sample_seed(seed, benchmark, problem, sample):
     # hash() is salted
     digest = hashlib.sha256(f"{seed}/{benchmark}/{problem}/{sample}".encode()).digest()
     return int.from_bytes(digest[:4], "little")
 
 def start_engine(args):
-    """The vLLM engine, and the LoRARequest that applies --adapter to every sample (None without
-    one)."""
-    from transformers import AutoConfig
+    """The tokenizer, the vLLM engine, and the LoRARequest that applies --adapter to every sample
+    (None without one)."""
+    from transformers import AutoConfig, AutoTokenizer
     try:  # a hub id without network: one sentence, not vLLM's traceback
         AutoConfig.from_pretrained(args.model)
+        tokenizer = AutoTokenizer.from_pretrained(args.model)
     except (OSError, ValueError) as e:
         fail(f"--model {args.model}: cannot load its config ({str(e).splitlines()[0]}); without "
              "network, pass a local model directory.")
@@ -151,59 +168,75 @@ def start_engine(args):
     if args.adapter:
         rank = json.loads((Path(args.adapter) / "adapter_config.json").read_text())["r"]
         extra.update(enable_lora=True, max_lora_rank=min(r for r in VLLM_LORA_RANKS if r >= rank))
-    llm = LLM(model=args.model, dtype=args.dtype, seed=args.seed,
-              tensor_parallel_size=args.tensor_parallel_size, use_tqdm_on_load=False, **extra)
+    llm = without_ctrl_c_in_children(lambda: LLM(
+        model=args.model, dtype=args.dtype, seed=args.seed,
+        tensor_parallel_size=args.tensor_parallel_size, use_tqdm_on_load=False, **extra))
     lora = None
     if args.adapter:
         lora = LoRARequest("adapter", 1, str(Path(args.adapter).resolve()))
-    return llm, lora
+    return tokenizer, llm, lora
+
+def without_ctrl_c_in_children(start):
+    """start(), the processes it starts blind to Ctrl-C. vLLM's engine and worker processes would
+    each take the terminal's SIGINT and die with a traceback; started with it blocked (a mask they
+    inherit, and keep), they leave it to this process, which shuts them down (draw). A thread
+    started before the mask lets a Ctrl-C during the start still reach this process."""
+    threading.Thread(target=threading.Event().wait, daemon=True).start()
+    unblocked = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+    try:
+        return start()
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, unblocked)
+
+def record(key, problems, completion):
+    """What samples.jsonl keeps of one finished sample."""
+    b, i, j = key
+    return {"benchmark": b, "problem": i, "sample": j, "hash": problems[b][i]["hash"],
+            "answer": extract_boxed(completion.text),
+            "correct": is_correct(completion.text, problems[b][i]["answer"]),
+            "tokens": len(completion.token_ids), "truncated": completion.finish_reason == "length",
+            # kept so samples can be regraded without resampling
+            "completion": completion.text}
 
 def draw(args, problems, todo, out_dir, config):
     """Sample every (benchmark, problem, sample) in `todo`, appending each record as it finishes.
     Returns the seconds to start (engine and tokenizer) and the seconds of sampling."""
     started = time.perf_counter()
-    llm, lora = start_engine(args)
-    from transformers import AutoTokenizer
+    tokenizer, llm, lora = start_engine(args)
     from vllm.inputs import TokensPrompt
     from vllm.sampling_params import RequestOutputKind, SamplingParams
-    tokenizer = AutoTokenizer.from_pretrained(args.model)
     # once up, before any sample exists
     (out_dir / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     # The engine's own loop, not llm.generate(): a sample is written as it finishes, a kill loses
     # those in flight.
     engine = llm.llm_engine
     sampling = time.perf_counter()
-    for k, (b, i, j) in enumerate(todo):
-        params = SamplingParams(temperature=args.temperature, top_p=args.top_p,
-                                max_tokens=args.max_new_tokens,
-                                seed=sample_seed(args.seed, b, i, j),
-                                output_kind=RequestOutputKind.FINAL_ONLY)
-        ids = prompt_ids(tokenizer, problems[b][i]["problem"], args.thinking)
-        prompt = TokensPrompt(prompt_token_ids=ids)
-        engine.add_request(str(k), prompt, params, lora_request=lora)
-    finished = 0
-    with (out_dir / "samples.jsonl").open("a") as f:
-        while engine.has_unfinished_requests():
-            for out in engine.step():
-                if not out.finished:
-                    continue
-                (b, i, j), completion = todo[int(out.request_id)], out.outputs[0]
-                record = {"benchmark": b, "problem": i, "sample": j, "hash": problems[b][i]["hash"],
-                          "answer": extract_boxed(completion.text),
-                          "correct": is_correct(completion.text, problems[b][i]["answer"]),
-                          "tokens": len(completion.token_ids),
-                          "truncated": completion.finish_reason == "length",
-                          # kept so samples can be regraded without resampling
-                          "completion": completion.text}
-                f.write(json.dumps(record) + "\n")
-                f.flush()
-                finished += 1
-                if finished % max(1, len(todo) // 20) == 0 or finished == len(todo):
-                    print(f"{finished}/{len(todo)} samples", flush=True)
-    sampled = time.perf_counter()
-    # Stopped here: left to vLLM's exit handlers, the engine process is killed and reported "exited
-    # unexpectedly".
-    engine.engine_core.shutdown(timeout=60)
+    try:
+        for k, (b, i, j) in enumerate(todo):
+            params = SamplingParams(temperature=args.temperature, top_p=args.top_p,
+                                    max_tokens=args.max_new_tokens,
+                                    seed=sample_seed(args.seed, b, i, j),
+                                    output_kind=RequestOutputKind.FINAL_ONLY)
+            ids = prompt_ids(tokenizer, problems[b][i]["problem"], args.thinking)
+            prompt = TokensPrompt(prompt_token_ids=ids)
+            engine.add_request(str(k), prompt, params, lora_request=lora)
+        finished = 0
+        with (out_dir / "samples.jsonl").open("a") as f:
+            while engine.has_unfinished_requests():
+                for out in engine.step():
+                    if not out.finished:
+                        continue
+                    key = todo[int(out.request_id)]
+                    f.write(json.dumps(record(key, problems, out.outputs[0])) + "\n")
+                    f.flush()
+                    finished += 1
+                    if finished % max(1, len(todo) // 20) == 0 or finished == len(todo):
+                        print(f"{finished}/{len(todo)} samples", flush=True)
+        sampled = time.perf_counter()
+    finally:
+        # Stopped here, also on Ctrl-C: left to vLLM's exit handlers, the engine process is killed
+        # and reported "exited unexpectedly".
+        engine.engine_core.shutdown(timeout=60)
     return sampling - started, sampled - sampling
 
 
@@ -299,7 +332,20 @@ def main(argv=None):
         opsd.check_cuda_build()
     except opsd.Refusal as e:  # opsd.py's sentence
         fail(str(e))
-    return evaluate(args)
+    try:
+        return evaluate(args)
+    except KeyboardInterrupt:
+        interrupted(args, sys.argv[1:] if argv is None else argv)
+
+
+def interrupted(args, argv):
+    """Ctrl-C: one line, what samples.jsonl keeps and the command that draws the rest; exit 130."""
+    path = Path(args.output_dir) / "samples.jsonl"
+    kept = len(read_samples(path, repair=False))
+    again = shlex.join(["python", "eval.py", *argv])
+    print(f"eval.py: stopped by Ctrl-C; {kept} samples kept in {path}; to draw the rest: {again}",
+          file=sys.stderr, flush=True)
+    raise SystemExit(130)
 
 
 def evaluate(args):
@@ -312,9 +358,12 @@ def evaluate(args):
         check_adapter(args.adapter, args.model, args.allow_other_base)
     problems = {b: load_problems(b, src, args.problem_column, args.answer_column)
                 for b, src in sources.items()}
-    # --limit: each benchmark's first problems (a rerun without it draws the others into the same
-    # directory)
-    scored = {b: range(len(problems[b][:args.limit])) for b in problems}
+    # --limit: a draw of each benchmark's problems (a rerun without it draws the others into the
+    # same directory)
+    scored = {b: limited(b, len(problems[b]), args.limit) for b in problems}
+    if args.limit:
+        drawn = "; ".join(f"{b} {', '.join(map(str, scored[b]))}" for b in scored)
+        print(f"--limit {args.limit}: problems (counted from 0) {drawn}")
     wanted = [(b, i, j) for b in problems for i in scored[b] for j in range(args.n)]
     baseline = None
     if args.baseline:

@@ -168,6 +168,47 @@ def test_many_seeded_requests_at_once(tiny_model_dir, full_run, tmp_path):
     assert all(samples[k]["completion"] == base[k]["completion"] for k in base)
 
 
+def limit_by_definition(name, count, limit):
+    """--help's words: `limit` of the problems, drawn at random with a fixed seed (a generator seeded
+    "0/NAME" shuffles the indices, the first `limit` are scored)."""
+    import random
+
+    return sorted(random.Random(f"0/{name}").sample(range(count), count)[:limit])
+
+
+def test_limit_draws_at_random_the_same_problems_every_run():
+    # A year's 30 problems, 2 scored (README's first-day probe): a draw, not the first two.
+    for name in ev.HUB_IDS:
+        assert ev.limited(name, 30, 2) == limit_by_definition(name, 30, 2)
+    assert any(ev.limited(name, 30, 2) != [0, 1] for name in ev.HUB_IDS)
+    # a smaller limit's problems are among a larger one's, and no limit (or one past the end) is all
+    assert set(ev.limited("aime24", 30, 2)) <= set(ev.limited("aime24", 30, 10))
+    assert ev.limited("aime24", 30, None) == ev.limited("aime24", 30, 30) == list(range(30))
+    # The draw does not wander between processes (str seeds are hashed, unlike hash()).
+    import subprocess
+    import sys
+
+    code = "import random; print(random.Random('0/aime24').sample(range(30), 30)[:2])"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert sorted(json.loads(out.stdout)) == ev.limited("aime24", 30, 2)
+
+
+def test_a_full_run_after_limit_keeps_its_samples(tiny_model_dir, full_run, tmp_path, capsys):
+    run(tiny_model_dir, tmp_path, "--limit", "2")
+    drawn = limit_by_definition("tiny", 3, 2)
+    assert f"--limit 2: problems (counted from 0) tiny {drawn[0]}, {drawn[1]}" in capsys.readouterr().out
+    first = by_key(read_jsonl(tmp_path / "samples.jsonl"))
+    assert sorted(first) == [("tiny", i, j) for i in drawn for j in range(N)]
+    run(tiny_model_dir, tmp_path)
+    assert f"{2 * N} of {3 * N} samples already in" in capsys.readouterr().out
+    # kept, not redrawn; and what the full run added is what an uninterrupted full run draws
+    whole = by_key(read_jsonl(tmp_path / "samples.jsonl"))
+    assert all(whole[k] == first[k] for k in first) and len(whole) == 3 * N
+    assert whole == by_key(read_jsonl(full_run / "samples.jsonl"))
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary == json.loads((full_run / "summary.json").read_text())
+
+
 def test_lora_ranks_are_those_vllm_takes():
     from typing import get_args
 
@@ -177,9 +218,9 @@ def test_lora_ranks_are_those_vllm_takes():
 
 
 def test_metrics_on_a_model_that_answers_and_the_cost_of_the_whole(tmp_path, capsys):
-    """avg@k, pass@k and maj@k where they are neither 0 nor 1: the miniature's starting model on the first 30 of 40
-    held-out sums (--limit 30; it drops carries, so some samples are wrong), regraded here from the sums and voted
-    here by hand; and the whole evaluation's hours, projected by hand from the lengths and the recorded times."""
+    """avg@k, pass@k and maj@k where they are neither 0 nor 1: the miniature's starting model on 30 of 40
+    held-out sums (--limit 30, drawn; it drops carries, so some samples are wrong), regraded here from the sums
+    and voted here by hand; and the whole evaluation's hours, projected by hand from the lengths and the recorded times."""
     import time
     from collections import Counter
 
@@ -192,14 +233,15 @@ def test_metrics_on_a_model_that_answers_and_the_cost_of_the_whole(tmp_path, cap
              "--max-new-tokens", "48", "--no-thinking", "--limit", str(scored), "--output-dir", str(out)])
     wall = time.perf_counter() - started
     samples = read_jsonl(out / "samples.jsonl")
-    assert sorted((s["problem"], s["sample"]) for s in samples) == [(i, j) for i in range(scored) for j in range(n)]
+    drawn = limit_by_definition("sums", 40, scored)
+    assert sorted((s["problem"], s["sample"]) for s in samples) == [(i, j) for i in drawn for j in range(n)]
     boxed = {(s["problem"], s["sample"]): (re.findall(r"\\boxed\{(\d+)\}", s["completion"]) or [None])[-1]
              for s in samples}
     right = {key: answer == str(sum(map(int, heldout[key[0]]["problem"].split("+")))) for key, answer in boxed.items()}
     avg = sum(right.values()) / len(right)
-    passed = sum(any(right[i, j] for j in range(n)) for i in range(scored)) / scored
+    passed = sum(any(right[i, j] for j in range(n)) for i in drawn) / scored
     majority = 0
-    for i in range(scored):
+    for i in drawn:
         votes = Counter(boxed[i, j] for j in range(n) if boxed[i, j] is not None)
         if votes:
             top = max(votes.values())

@@ -92,3 +92,34 @@ def test_a_cpu_build_of_torch_on_a_gpu_machine_is_refused_before_anything_loads(
                                                "nvidia-smi lists a GPU: pip install -r requirements.txt in a fresh "
                                                "venv.\n")
     assert seconds < 15 and not (tmp_path / "out").exists()  # before the output directory, let alone an engine
+
+
+def test_ctrl_c_says_what_was_kept_and_the_command_that_continues(tiny_model_dir, tmp_path):
+    import shlex
+    import signal
+
+    # Ctrl-C at a terminal signals the whole process group: eval.py and vLLM's engine process (its
+    # default, the GPU path). Sent once the engine is up (config.json written), while it samples.
+    argv = ["--model", tiny_model_dir, "--data", f"tiny={DATA}", "--n", "64", "--max-new-tokens", "512",
+            "--enforce-eager", "--output-dir", str(tmp_path)]
+    clean = {k: v for k, v in os.environ.items() if not k.startswith(("VLLM_", "HF_"))}
+    proc = subprocess.Popen([sys.executable, str(ROOT / "eval.py"), *argv], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, cwd=ROOT, start_new_session=True,
+                            env={**clean, "VLLM_ENABLE_V1_MULTIPROCESSING": "1"})
+    deadline = time.monotonic() + 300
+    while not (tmp_path / "config.json").exists() and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    os.killpg(proc.pid, signal.SIGINT)
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 130, err[-3000:]
+    # No traceback of eval.py's (vLLM's engine, stopped in the middle of a step, may log its own).
+    assert "KeyboardInterrupt" not in err and 'eval.py", line' not in err, err[-3000:]
+    path = tmp_path / "samples.jsonl"  # opened when sampling starts
+    kept = 0
+    if path.exists():
+        kept = len(path.read_text().splitlines())
+    assert kept < 3 * 64  # stopped before the end
+    command = shlex.join(["python", "eval.py", *argv])
+    ours = [line for line in err.splitlines() if line.startswith("eval.py: ")]
+    assert ours == [f"eval.py: stopped by Ctrl-C; {kept} samples kept in {tmp_path / 'samples.jsonl'}; "
+                    f"to draw the rest: {command}"]

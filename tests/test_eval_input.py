@@ -66,6 +66,10 @@ def test_help_shows_defaults_and_the_data_columns():
     for shown in ("(default: 12)", "(default: 0.95)", "(default: 38912)", "(default: problem)", "(default: answer)"):
         assert shown in text
     assert "a problem column and an answer column" in text
+    # what --enforce-eager turns off, said plainly (vLLM 0.32: torch.compile and CUDA graphs)
+    assert "--enforce-eager, --no-enforce-eager turn off vLLM's torch.compile and CUDA graph" in text
+    # --limit's problems: a draw, said where the flag is
+    assert "drawn at random with a fixed seed" in text
 
 
 def test_eval_py_stands_alone():
