@@ -16,6 +16,7 @@ Part 1, the method; Part 2, the run; Part 3, the guards.
 """
 
 import argparse
+import faulthandler
 import hashlib
 import importlib.util
 import json
@@ -29,6 +30,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 import traceback
 import warnings
@@ -257,10 +259,10 @@ def engine_environment(cpu):
 
 
 def start_engine(args, device):
-    """This rank's vLLM engine, in this process; its start-up waits --collective-timeout."""
+    """This rank's vLLM engine, in this process (its start-up under the caller's time limit)."""
     from vllm import LLM
     max_model_len = args.max_prompt_length + args.max_new_tokens
-    extra = {"gpu_memory_utilization": args.vllm_memory}
+    extra = {"gpu_memory_utilization": args.vllm_memory, "enforce_eager": args.enforce_eager}
     if device.type == "cpu":
         extra = CPU_ENGINE
     launcher = None
@@ -652,8 +654,6 @@ def check_flags(args):
     if args.prompts_per_step % (WORLD_SIZE * args.micro_batch_size):
         fail(f"--prompts-per-step {args.prompts_per_step} must be divisible by ranks x "
              f"--micro-batch-size = {WORLD_SIZE} x {args.micro_batch_size}.")
-    if args.wandb_project and not importlib.util.find_spec("wandb"):
-        fail("--wandb-project needs wandb: pip install wandb.")
 
 
 def parse_args(argv=None):
@@ -697,6 +697,8 @@ def parse_args(argv=None):
     add("--top-p", 0.95, "vLLM's nucleus sampling")
     add("--top-k", 20, "vLLM's top-k sampling; -1: off")
     add("--vllm-memory", 0.3, "share of each GPU's")
+    add("--enforce-eager", False, "vLLM without CUDA graphs or torch.compile: a slower engine "
+        "to fall back on if they fail")
     add("--clip", "entry", "entry: the recipe's min(d_v, tau); token: min(k, tau), "
         "recommended", choices=["entry", "token", "none"])
     add("--tau", 0.05, "the clip's threshold")
@@ -717,8 +719,10 @@ def parse_args(argv=None):
     once = p.add_mutually_exclusive_group()
     once.add_argument("--resume", action="store_true", help="continue --output-dir's run")
     once.add_argument("--overwrite", action="store_true", help="replace --output-dir's run")
-    add("--device", "auto", "auto: CUDA when torch sees it", choices=["auto", "cpu", "cuda"])
-    add("--collective-timeout", 30.0, "minutes a rank waits for the others")
+    add("--device", "auto", "auto: CUDA when torch sees it; a CUDA build that sees none is "
+        "refused", choices=["auto", "cpu", "cuda"])
+    add("--collective-timeout", 30.0, "minutes a rank waits for the others, and the longest "
+        "each start-up phase may take (connect, input checks, model load, vLLM's start)")
     add("--kl-window", 20_000, "answer tokens the logged means span")
     add("--log-rollouts-every", 10, "steps; rank 0's answers, rollouts.jsonl; 0: never")
     add("--wandb-project", None, "also log to wandb")
@@ -731,7 +735,11 @@ def parse_args(argv=None):
 # -- The run
 
 def main(argv=None):
-    run = {"resume": resume_command(argv), "args": None, "step": None}  # before vLLM starts
+    flags = list(argv or sys.argv[1:])
+    again = [flag for flag in flags if flag not in ("--overwrite", "--resume")]
+    # the commands a stop prints, made before vLLM starts; "again" once this run has written
+    run = {"resume": launch_command(again + ["--resume"]), "again": launch_command(flags),
+           "args": None, "step": None}
     with stop_cleanly(run):
         args = parse_args(argv)
         run["args"] = args
@@ -739,18 +747,25 @@ def main(argv=None):
 
 
 def train(args, run):
-    if args.device != "cpu":
-        check_cuda_build()
-    device = init_distributed(args)
+    minutes = args.collective_timeout  # each start-up phase's limit, and each wait's
     out_dir = Path(args.output_dir)
+    connect_store(minutes)
+
+    # ---- what a node can get wrong, agreed before the process group exists
+    with ranks_agree("the start", minutes):
+        device = choose_device(args)
+        if args.wandb_project and not importlib.util.find_spec("wandb"):
+            fail("--wandb-project needs wandb: pip install wandb.")
+    with time_limit("the process group's start", minutes):
+        init_distributed(args, device)
 
     # ---- what a user can get wrong, before a model loads
-    with ranks_agree():
+    with ranks_agree("the input checks", minutes):
         resume_from = check_output_dir(args)
         check_model(args)
         tokenizer, prompts = load_prompts(args)
         args_record = run_record(args, prompts, device)
-        if resume_from:
+        if args.resume:
             check_resume(args_record, out_dir)
         try:  # the first thing written
             out_dir.mkdir(parents=True, exist_ok=True)
@@ -760,24 +775,28 @@ def train(args, run):
 
     # ---- the model with LoRA, and this rank's vLLM engine
     if resume_from:
-        with ranks_agree():
+        with ranks_agree("the checkpoint's check", minutes):
             check_checkpoint(resume_from)
-    with ranks_agree():  # timed, unlike vLLM's start-up
+        check_same_checkpoint(resume_from)
+    with ranks_agree("the model's load", minutes):
         model, lora_params = load_model(args, device)
     optimizer = torch.optim.AdamW(lora_params, lr=args.lr, weight_decay=0.0)
-    llm = start_engine(args, device)
+    with time_limit("vLLM's start", minutes):
+        llm = start_engine(args, device)
     start_step = 0
     ema = None
     window = deque()  # per-step sums, newest last
     if resume_from:
         start_step, ema, window = restore(resume_from, model, lora_params, optimizer)
         push_weights(llm, model)
-        with ranks_agree():
+        with ranks_agree("the weight push's check", minutes):
             check_push(llm, model)
         print0(f"resumed from {resume_from}")
     tracker = None
     if RANK == 0:
         tracker = open_run(args, start_step, args_record)
+    # the run is written: --resume without a checkpoint starts it again
+    run["again"] = run["resume"]
     pad_id = tokenizer.pad_token_id
     if pad_id is None:
         pad_id = tokenizer.eos_token_id
@@ -816,7 +835,7 @@ def train(args, run):
 
         # ---- update the inference engine's weights, and read them back
         push_weights(llm, model)
-        with ranks_agree():
+        with ranks_agree("the weight push's check", minutes):
             check_push(llm, model)
         t3 = time.perf_counter()
 
@@ -863,23 +882,25 @@ PUSH_ENVIRONMENT = {
     "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_FLOAT32_MATMUL_PRECISION": "highest"}
 
 
-def init_distributed(args):
-    device = torch.device("cpu")
-    if args.device != "cpu" and torch.cuda.is_available():
-        device = torch.device("cuda", LOCAL_RANK)
+def init_distributed(args, device):
+    if device.type == "cuda":
         torch.cuda.set_device(device)  # vLLM builds its engine on it
     choose_attention_kernels()
     if WORLD_SIZE > 1:
         timeout = timedelta(minutes=args.collective_timeout)
+        backend = "gloo"
+        device_id = None
         if device.type == "cuda":
-            # gloo (CPU tensors) connects first, timed; NCCL's connect (now: device_id) is not
-            dist.init_process_group("cpu:gloo,cuda:nccl", timeout=timeout, device_id=device)
-        else:
-            dist.init_process_group("gloo", timeout=timeout)
+            # gloo (CPU tensors) connects first, timed; then NCCL's connect (device_id), which
+            # only the caller's time limit bounds
+            backend = "cpu:gloo,cuda:nccl"
+            device_id = device
+        dist.init_process_group(
+            backend, store=STORE, rank=RANK, world_size=WORLD_SIZE, timeout=timeout,
+            device_id=device_id)
     os.environ.update(PUSH_ENVIRONMENT)
     torch.set_float32_matmul_precision("highest")
     engine_environment(cpu=device.type == "cpu")
-    return device
 
 
 # -- Data
@@ -887,6 +908,7 @@ def init_distributed(args):
 def load_prompts(args):
     from transformers import AutoTokenizer
     tokenizer = AutoTokenizer.from_pretrained(args.model)
+    check_chat_template(tokenizer, args.model)
     rows = load_rows(
         args.dataset, args.dataset_split, args.problem_column, args.context_column,
         args.data_select)
@@ -1142,26 +1164,34 @@ def log_step(args, record, rollouts, tracker):
 # flags a resume may change: how it runs or logs, not what it computes
 RESUMABLE_CHANGES = (
     "output_dir", "resume", "overwrite", "micro_batch_size", "gradient_checkpointing",
-    "loss_chunk_size", "vllm_memory", "device", "collective_timeout", "save_every",
+    "loss_chunk_size", "vllm_memory", "enforce_eager", "device", "collective_timeout", "save_every",
     "kl_window", "log_rollouts_every", "wandb_project")
 
 
 def run_files(out_dir):
     names = ["args.json", "metrics.jsonl", "rollouts.jsonl", "final"]
     found = [out_dir / n for n in names if (out_dir / n).exists()]
-    return found + sorted(out_dir.glob("checkpoint-*"))
+    return found + sorted(checkpoints(out_dir).values())
+
+
+def checkpoints(out_dir):
+    """{step: directory} of each checkpoint-<step>: any other name is not a checkpoint."""
+    found = {}
+    for path in Path(out_dir).glob("checkpoint-*"):
+        if re.fullmatch(r"checkpoint-\d+", path.name):
+            found[int(path.name.split("-")[1])] = path
+    return found
 
 
 def latest_checkpoint(out_dir):
-    steps = [int(d.name.split("-")[1]) for d in Path(out_dir).glob("checkpoint-*")
-             if (d / "trainer_state.pt").exists()]
+    steps = [step for step, d in checkpoints(out_dir).items() if (d / "trainer_state.pt").exists()]
     if not steps:
         return None
     return Path(out_dir) / f"checkpoint-{max(steps)}"
 
 
 def check_output_dir(args):
-    """The checkpoint to resume, or None."""
+    """The checkpoint to resume, or None (a run without one starts again)."""
     out_dir = Path(args.output_dir)
     existing = run_files(out_dir)
     if not args.resume:
@@ -1171,21 +1201,18 @@ def check_output_dir(args):
                  "continue it, or --overwrite to replace it.")
         return None
     if not (out_dir / "args.json").is_file():
-        fail(f"--resume: {out_dir} holds no run (no args.json): every rank must see one --output-dir.")
+        fail(f"--resume: {out_dir} holds no run (no args.json): every rank must see one "
+             "--output-dir.")
     if (out_dir / "final").exists():
         fail(f"--resume: the run in {out_dir} has finished: choose a new --output-dir.")
     checkpoint = latest_checkpoint(out_dir)
     if checkpoint is None:
-        fail(f"--resume: {out_dir} holds no checkpoint yet: restart with --overwrite.")
+        print0(f"--resume: {out_dir} holds no checkpoint yet: the run starts again at step 1")
     return checkpoint
 
 
 def check_checkpoint(checkpoint):
-    """Alike on all ranks; each file loads."""
-    step = int(checkpoint.name.split("-")[1])
-    steps = all_reduce(torch.tensor([step, -step]), dist.ReduceOp.MAX).tolist()
-    if steps[0] != -steps[1]:
-        fail(f"--resume: ranks see checkpoints {-steps[1]} to {steps[0]} as the newest: use one --output-dir.")
+    """Each file of the checkpoint loads."""
     try:
         ema = checkpoint.glob(f"ema/{ADAPTER_WEIGHTS}")
         for path in [checkpoint / "trainer_state.pt", checkpoint / ADAPTER_WEIGHTS, *ema]:
@@ -1194,8 +1221,17 @@ def check_checkpoint(checkpoint):
             else:
                 load_file(path)
     except Exception as e:
-        fail(f"--resume: {path} does not load ({str(e).split('. ')[0]}): move {checkpoint.name} "
-             "aside to resume from the one before.")
+        fail(f"--resume: {path} does not load ({str(e).split('. ')[0]}): rename "
+             f"{checkpoint.name} to bad-{checkpoint.name} to resume from the one before.")
+
+
+def check_same_checkpoint(checkpoint):
+    """Every rank resumes from the same step (one --output-dir on every node)."""
+    step = int(checkpoint.name.split("-")[1])
+    steps = all_reduce(torch.tensor([step, -step]), dist.ReduceOp.MAX).tolist()
+    if steps[0] != -steps[1]:
+        fail(f"--resume: ranks see checkpoints {-steps[1]} to {steps[0]} as the newest: use one "
+             "--output-dir.")
 
 
 def run_record(args, prompts, device):
@@ -1287,6 +1323,13 @@ def check_model(args):
              f"{args.max_new_tokens} exceeds the model's context of {context} tokens: lower one of them.")
 
 
+def check_chat_template(tokenizer, model):
+    """Both scripts render prompts with the model's chat template."""
+    if tokenizer.chat_template is None:
+        fail(f"--model {model} has no chat template (its tokenizer sets none): use a chat or "
+             "instruct model, or give its directory a chat_template.jinja.")
+
+
 def missing_lora_targets(model):
     """None, or which decoder layers lack which targets as nn.Linear."""
     by_layer = {}  # layer number -> its linear layers' names
@@ -1303,6 +1346,27 @@ def missing_lora_targets(model):
             lacking.setdefault(missing, []).append(str(number))
     parts = [f"layers {', '.join(layers)} lack {targets}" for targets, layers in lacking.items()]
     return "; ".join(parts) or None
+
+
+def choose_device(args):
+    """CUDA when asked for or seen. A node that asks for it and cannot have it is refused: it
+    would train on its CPU, or leave the other nodes waiting."""
+    if args.device == "cpu":
+        return torch.device("cpu")
+    check_cuda_build()
+    if torch.cuda.is_available():
+        if LOCAL_RANK >= torch.cuda.device_count():
+            fail(f"this node sees {torch.cuda.device_count()} GPUs, fewer than its ranks: "
+                 "lower torchrun's --nproc_per_node.")
+        return torch.device("cuda", LOCAL_RANK)
+    if args.device == "cuda" and not torch.version.cuda:
+        fail(f"--device cuda: torch {torch.__version__} is a CPU build: pip install -r "
+             "requirements.txt in a fresh venv, or pass --device cpu.")
+    if torch.version.cuda:
+        fail(f"--device {args.device}: torch {torch.__version__} sees no GPU (a driver too old for "
+             f"CUDA {torch.version.cuda}, CUDA_VISIBLE_DEVICES, a container without GPUs?): make "
+             "one visible, or pass --device cpu.")
+    return torch.device("cpu")
 
 
 def check_cuda_build():
@@ -1374,29 +1438,113 @@ def check_finite(step, loss, grad_norm):
              "stopped before the update: try a lower --lr.")
 
 
-# -- When a run stops: a refusal agreed, a failure at once
+# -- When a run stops: a refusal agreed, a failure at once, no start-up phase unbounded
+
+STORE = None  # torchrun's key-value store (connect_store): the ranks' agreements go through it
+AGREEMENTS = []  # the phases agreed on so far: every rank makes the same ones in the same order
+ENDING = threading.Lock()  # held by what ends this rank first: a time limit, or stop_cleanly
+
 
 def say(text, all_ranks=False):
     """Print (once a node if all ranks say it); also for torchrun's report."""
     if LOCAL_RANK == 0 or not all_ranks:
         print(text, file=sys.stderr, flush=True)
+    report(text, time.time())
+
+
+def report(text, timestamp):
+    """`text` for torchrun's report of this rank, should it end before saying anything else;
+    None: nothing."""
     path = os.environ.get("TORCHELASTIC_ERROR_FILE")
-    if path:
-        Path(path).write_text(json.dumps({"message": text, "timestamp": int(time.time())}))
+    if not path:
+        return
+    if text is None:
+        Path(path).unlink(missing_ok=True)
+        return
+    Path(path).write_text(json.dumps({"message": text, "timestamp": int(timestamp)}))
+
+
+def connect_store(minutes):
+    """The store torchrun's agent on node 0 keeps (env://). It exists before the process
+    group, so a refusal made before the group reaches every node too."""
+    global STORE
+    if WORLD_SIZE > 1:
+        timeout = timedelta(minutes=minutes)
+        STORE = next(dist.rendezvous("env://", RANK, WORLD_SIZE, timeout=timeout))[0]
+
+
+def end_rank(message):
+    """A time limit has passed: this rank's line, where each thread was, then exit 1."""
+    if ENDING.acquire(blocking=False):
+        say(message)
+        faulthandler.dump_traceback(sys.__stderr__)
+        os._exit(1)
 
 
 @contextmanager
-def ranks_agree():
-    """All refuse with the first refusal, naming its rank if not all's."""
-
-    problem = None
+def time_limit(phase, minutes):
+    """End this rank if `phase` has not ended within `minutes`. A thread says so; if the main
+    thread holds Python's lock inside a C call (NCCL's split, CUDA's start), faulthandler's own
+    thread, which needs no lock, ends the rank a minute later: it prints where each thread was,
+    and torchrun's report says the phase."""
+    seconds = minutes * 60
+    message = (f"opsd.py: rank {RANK}: {phase} did not end within {minutes:g} minutes "
+               "(--collective-timeout); where each thread was:")
+    timer = threading.Timer(seconds, end_rank, [message])
+    timer.daemon = True
+    timer.start()
+    faulthandler.dump_traceback_later(seconds + 60, exit=True, file=sys.__stderr__)
+    report(f"opsd.py: rank {RANK}: ended during {phase} (its limit: {minutes:g} minutes, "
+           "--collective-timeout)", time.time() + seconds + 60)
     try:
         yield
+    finally:
+        timer.cancel()
+        faulthandler.cancel_dump_traceback_later()
+        report(None, 0)  # the phase is over
+
+
+def agreement_keys(phase):
+    """Each rank's key in the store for the next agreement, on `phase`."""
+    AGREEMENTS.append(phase)
+    restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")  # a restart starts again at 1
+    return [f"opsd/{restart}/{len(AGREEMENTS)}/{rank}" for rank in range(WORLD_SIZE)]
+
+
+def exchange(phase, text, minutes):
+    """Every rank's `text` for this agreement, through the store; a rank that has not given
+    its own within `minutes` is named."""
+    if STORE is None:
+        return [text]
+    keys = agreement_keys(phase)
+    STORE.set(keys[RANK], text)
+    try:
+        STORE.wait(keys, timedelta(minutes=minutes))
+    except dist.DistStoreError:  # the wait's timeout
+        missing = [str(rank) for rank, key in enumerate(keys) if not STORE.check([key])]
+        fail(f"rank {', '.join(missing)} did not reach {phase} within {minutes:g} minutes "
+             "(--collective-timeout): the log of its node says where it stopped.")
+    except dist.DistError as e:
+        fail(f"torchrun's store on node 0 went away during {phase} ({e}): node 0's log says why.")
+    return [STORE.get(key).decode() for key in keys]
+
+
+@contextmanager
+def ranks_agree(phase, minutes):
+    """Run `phase` within its time limit, then all ranks refuse with the first refusal (naming
+    its rank if not all's). A rank that fails instead tells the others, who end at once."""
+    problem = ""
+    try:
+        with time_limit(phase, minutes):
+            yield
     except Refusal as e:
         problem = str(e)
-    problems = [problem] * WORLD_SIZE
-    if dist.is_initialized():
-        dist.all_gather_object(problems, problem)
+    except Exception as e:
+        if STORE is not None:  # its key for this agreement, so no rank waits for it
+            failed = f"{phase} failed ({type(e).__name__}): the log of its node says why."
+            STORE.set(agreement_keys(phase)[RANK], failed)
+        raise
+    problems = exchange(phase, problem, minutes)
     refusals = [(rank, p) for rank, p in enumerate(problems) if p]
     if refusals:
         rank, problem = refusals[0]
@@ -1405,14 +1553,14 @@ def ranks_agree():
         fail(problem)
 
 
-def resume_command(argv):
-    flags = [a for a in argv or sys.argv[1:] if a not in ("--overwrite", "--resume")]
+def launch_command(flags):
+    """The command that runs opsd.py with `flags`, launched as this run was."""
     launcher = "python"
     if WORLD_SIZE > 1:
         launcher = f"torchrun --nproc_per_node {WORLD_SIZE}"
     if int(os.environ.get("LOCAL_WORLD_SIZE", WORLD_SIZE)) != WORLD_SIZE:
         launcher = "torchrun (on every node, launched as before)"
-    return f"{launcher} opsd.py {shlex.join(flags)} --resume"
+    return f"{launcher} opsd.py {shlex.join(flags)}"
 
 
 @contextmanager
@@ -1426,9 +1574,11 @@ def stop_cleanly(run):
     try:
         yield
     except Refusal as e:
-        say(f"opsd.py: error: {e}", all_ranks=True)
+        with ENDING:  # a time limit that is ending this rank says it alone
+            say(f"opsd.py: error: {e}", all_ranks=True)
         raise SystemExit(2)
     except (Exception, KeyboardInterrupt) as e:
+        ENDING.acquire()
         signal.signal(signal.SIGINT, signal.SIG_IGN)  # torchrun passes Ctrl-C on: once is enough
         where = "before the first step"
         if run["step"] is not None:
@@ -1436,15 +1586,23 @@ def stop_cleanly(run):
         last = None
         if run["args"]:
             last = latest_checkpoint(run["args"].output_dir)
-        if interrupted:  # also printed at the start: rank 0 may not get here
-            print0(f"opsd.py: interrupted {where} (the last checkpoint is {last}); to resume: {run['resume']}",
+        saved = f"the last checkpoint is {last}"
+        if last is None:
+            saved = "no checkpoint yet"
+        if interrupted and last is None:  # rank 0 says it; the others may be ended first
+            print0(f"opsd.py: interrupted {where}, before any checkpoint: nothing to resume; "
+                   f"to start again: {run['again']}", file=sys.stderr)
+        elif interrupted:  # the command was also printed at the start
+            print0(f"opsd.py: interrupted {where} ({saved}); to resume: {run['resume']}",
                    file=sys.stderr)
+        if interrupted:
             os._exit(130)
         hint = ""
         if isinstance(e, torch.OutOfMemoryError):
             hint = "; lower --micro-batch-size, --loss-chunk-size or --vllm-memory"
         # a failed collective is this rank's error too
-        say(f"opsd.py: rank {RANK}: error {where} (the last checkpoint is {last}){hint}:\n{traceback.format_exc()}")
+        error = traceback.format_exc()
+        say(f"opsd.py: rank {RANK}: error {where} ({saved}){hint}:\n{error}")
         os._exit(1)  # past vLLM's teardown, which could wait for others
     finally:
         signal.signal(signal.SIGINT, previous)
