@@ -932,7 +932,8 @@ def load_rows(dataset, split, problem_column, context_column, data_select="all")
         needed["generated_token_count"] = "--data-select hard"
     for column, flag in needed.items():
         if column not in table.column_names:
-            fail(f"--dataset {dataset} has no column {column!r} ({flag}); its columns are {table.column_names}.")
+            fail(f"--dataset {dataset} has no column {column!r} ({flag}); its columns are "
+                 f"{table.column_names}.")
     rows = table.to_list()
     if not rows:
         fail(f"--dataset {dataset} holds no rows.")
@@ -942,7 +943,8 @@ def load_rows(dataset, split, problem_column, context_column, data_select="all")
             kind, noun = kinds.get(column, (str, "a string"))
             value = row[column]
             if not isinstance(value, kind) or isinstance(value, bool):
-                fail(f"--dataset {dataset}, row {number}: {column!r} is {value!r}, not {noun}: fix or drop the row.")
+                fail(f"--dataset {dataset}, row {number}: {column!r} is {value!r}, not {noun}: "
+                     "fix or drop the row.")
     if data_select == "hard":
         rows = select_hard(rows)
     return [(row[problem_column], "\n\n".join(row[c] for c in contexts)) for row in rows]
@@ -1279,12 +1281,14 @@ def check_model(args):
              f"{', '.join(LORA_TARGETS)} in every decoder layer, but {missing}.")
     parameters = skeleton.num_parameters()
     if args.device == "auto" and parameters > 1e8 and not torch.cuda.is_available():
-        fail(f"--device auto: torch {torch.__version__} sees no CUDA device, and --model {args.model} has "
-             f"{parameters / 1e9:.2f}B parameters, too many for a CPU: make a GPU visible, or pass --device cpu.")
+        fail(f"--device auto: torch {torch.__version__} sees no CUDA device, and --model "
+             f"{args.model} has {parameters / 1e9:.2f}B parameters, too many for a CPU: make "
+             "a GPU visible, or pass --device cpu.")
     context = getattr(config.get_text_config(), "max_position_embeddings", None)
     if context and args.max_prompt_length + args.max_new_tokens > context:
         fail(f"--max-prompt-length {args.max_prompt_length} + --max-new-tokens "
-             f"{args.max_new_tokens} exceeds the model's context of {context} tokens: lower one of them.")
+             f"{args.max_new_tokens} exceeds the model's context of {context} tokens: "
+             "lower one of them.")
 
 
 def missing_lora_targets(model):
