@@ -1013,6 +1013,7 @@ def load_model(args, device):
 
 
 def disable_dropout(model):
+    """No dropout, as in the released recipe."""
     for m in model.modules():
         if isinstance(m, nn.Dropout):
             m.p = 0.0
@@ -1032,6 +1033,7 @@ def adapter_parameters(model):
 
 
 def save_adapter(model, out_dir, base_model_name_or_path):
+    """The adapter in PEFT's layout, which PEFT, vLLM and eval.py read."""
     layers = lora_layers(model)
     tensors = {name: p.detach().cpu().contiguous() for name, p in adapter_parameters(model).items()}
     first = next(iter(layers.values()))
@@ -1301,6 +1303,7 @@ def model_dir(model):
 # -- The model: its logits, LoRA's targets, the device
 
 def check_model(args):
+    """Refusals from the model's config alone, before its weights load."""
     from transformers import AutoConfig, AutoModelForCausalLM
     try:
         config = AutoConfig.from_pretrained(args.model)
