@@ -90,12 +90,17 @@ TRANSITION = (
 
 
 def student_message(problem, prompt="recipe"):
+    """The recipe's student message; with prompt="eval", eval.py's (no "Problem: "), so the
+    student trains in the prompt it is scored in."""
     if prompt == "eval":
         return f"{problem}\n\n{INSTRUCTION}"
     return f"Problem: {problem}\n\n{INSTRUCTION}"
 
 
 def teacher_message(problem, context):
+    """The problem, the privileged context (a reference solution), the transition. Without a
+    context (--teacher-context none), the student's message: the transition speaks of the
+    reference, so it goes with it."""
     if context is None:
         return student_message(problem)
     return (
@@ -133,7 +138,7 @@ def shown_contexts(rows, shown, seed):
         return [(problem, None) for problem, _ in rows]
     if shown == "other":  # another row's reference, alike on every rank and resume
         if len(rows) < 2:
-            fail("--teacher-context other needs at least two rows.")
+            fail("--teacher-context other needs at least two rows: add rows to --dataset.")
         # one cycle through a seeded order: row order[i] gets row order[i + 1]'s
         order = list(range(len(rows)))
         random.Random(seed).shuffle(order)
@@ -176,7 +181,8 @@ def build_prompts(
 
 
 def step_indices(step, prompts_per_step, num_prompts, seed):
-    """Prompt indices of step `step`: each epoch a permutation seeded by seed + epoch."""
+    """Prompt indices of step `step`: each epoch a permutation seeded by seed + epoch, so the
+    order is a function of (seed, step) and a resumed run needs no data-loader state."""
     positions = range(step * prompts_per_step, (step + 1) * prompts_per_step)
     orders = {}  # epoch -> its permutation, drawn once
     for epoch in {p // num_prompts for p in positions}:
@@ -218,7 +224,8 @@ class LoRALinear(nn.Module):
         return y + (self.scale * update).to(y.dtype)
 
     def merged_weight(self):
-        """W + (alpha / r) B A in the model's dtype, out of place."""
+        """W + (alpha / r) B A in the model's dtype, out of place: W is never touched, so the
+        fixed teacher (LoRA off) cannot drift."""
         update = self.scale * (self.lora_B @ self.lora_A)
         return (self.weight.float() + update).to(self.weight.dtype)
 
@@ -240,6 +247,8 @@ def add_lora(model, r, alpha, seed=0, targets=LORA_TARGETS):
 
 @torch.no_grad()
 def merged_weights(model):
+    """(HF parameter name, merged weight) per LoRA layer, one at a time: never a second copy
+    of the model."""
     for name, m in lora_layers(model).items():
         yield f"{name}.weight", m.merged_weight()
 
@@ -279,7 +288,8 @@ def start_engine(args, device):
 
 def sample(llm, prompts, seeds, args):
     """Completions (token ids, with EOS when sampled) and vLLM's raw log-prob of each
-    token (before temperature, top-k, top-p); a seed per request."""
+    token (before temperature, top-k, top-p). A seed per request: the engine in this
+    process shares torch's global RNG with training."""
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
     params = [SamplingParams(
@@ -326,6 +336,7 @@ def lora_disabled(model):
 @contextmanager
 @torch.no_grad()
 def lora_values(lora_params, values):
+    """Run with other LoRA values (the EMA teacher's), then put the student's back."""
     student = [p.detach().clone() for p in lora_params]
     for p, v in zip(lora_params, values):
         p.copy_(v)
@@ -341,15 +352,17 @@ def teacher_weights(model, lora_params, teacher, ema):
         return lora_disabled(model)
     if teacher == "ema" and ema is not None:
         return lora_values(lora_params, ema)
+    # --teacher current; and --teacher ema at step 1, before any EMA exists (as in the
+    # released code): the student itself, at step 1 the base model (B = 0)
     return nullcontext()
 
 
 @torch.no_grad()
 def ema_update(ema, lora_params, decay):
-    """The EMA teacher's LoRA after a step. At step 1 the teacher is the student, equal
-    to the base (B = 0); the first update seeds the EMA with the student's LoRA, later
-    ones take ema = decay * ema + (1 - decay) * student, on A and B apart: B_ema A_ema,
-    not an average of B A."""
+    """The EMA teacher's LoRA after a step: ema = decay * ema + (1 - decay) * student, on A
+    and B apart (B_ema A_ema, not an average of B A)."""
+    # After step 1 no EMA exists yet: its first value is a copy of the student's LoRA, not
+    # an average with the base's (the released code's start)
     if ema is None:
         return [p.detach().clone() for p in lora_params]
     for e, p in zip(ema, lora_params):
@@ -451,13 +464,17 @@ class PositionStats(NamedTuple):
     logprob: torch.Tensor  # the student's raw log-prob of the sampled token (as vLLM's)
     student_entropy: torch.Tensor  # H(p_S) = -sum_v p_S(v) log p_S(v)
     teacher_entropy: torch.Tensor  # H(p_T)
-    negative: torch.Tensor  # 1 where the loss term is below -1e-6 (the entry clip's), else 0
+    # 1 where the loss term is below -1e-6 (the entry clip's), else 0; the logged
+    # loss_frac_negative is its share of the positions in the loss
+    negative: torch.Tensor
+    in_loss: torch.Tensor  # 1 in the loss, 0 where --skip-first-tokens leaves the position out
 
 
 @torch.no_grad()
-def divergence_stats(student_logits, log_s, log_t, targets, terms, *, tau):
+def divergence_stats(student_logits, log_s, log_t, targets, terms, in_loss, *, tau):
     """PositionStats from the student's raw logits (C, V), both log-probs at the loss
-    temperature (C, V), the sampled tokens (C,) and the loss terms (C,)."""
+    temperature (C, V), the sampled tokens (C,), the loss terms (C,) and which positions
+    are in the loss (C,)."""
     raw = student_logits.float()
     logprob = raw.gather(-1, targets[:, None])[:, 0] - raw.logsumexp(-1)
     p_t = log_t.exp()  # (C, V)
@@ -467,7 +484,7 @@ def divergence_stats(student_logits, log_s, log_t, targets, terms, *, tau):
     teacher_entropy = -(p_t * log_t).sum(-1)
     negative = (terms < -1e-6).float()  # float32's rounding of a zero term is not negative
     return PositionStats(
-        d.sum(-1), clipped_mass, logprob, student_entropy, teacher_entropy, negative)
+        d.sum(-1), clipped_mass, logprob, student_entropy, teacher_entropy, negative, in_loss)
 
 
 def join_stats(stats):
@@ -481,18 +498,22 @@ def opsd_loss(
     """(loss, stats) of one micro-batch: plain_loss's value and gradient over the
     positions in the loss, in chunks.
 
-    Hidden states (B, T, H) come before the frozen lm_head; each mask (B, T) selects
-    the N positions that predict an answer token (backward_step's shift by one), in
-    the same order on both sides. loss = the sum of the N loss terms /
-    num_tokens, the step's count over micro-batches and ranks. `loss_positions` (N,)
-    is 0 where --skip-first-tokens leaves a position out; `targets` (N,), the sampled
-    tokens, asks for `stats`, the PositionStats of all N positions."""
+    Hidden states come before the frozen lm_head, the student's (B, T_s, H) with its mask
+    (B, T_s), the teacher's (B, T_t, H) with (B, T_t); each mask selects the N positions
+    that predict an answer token. backward_step passes them shifted by one: T_s and T_t are
+    its batches' lengths less one. loss = the sum of the N loss terms / num_tokens, the
+    step's count over micro-batches and ranks. `loss_positions` (N,) is 0 where
+    --skip-first-tokens leaves a position out; `targets` (N,), the sampled tokens, asks
+    for `stats`, the PositionStats of all N positions."""
+    # Boolean indexing takes a mask's positions row by row, each row left to right; both
+    # masks select the same answers in the same rows, so row n of hs and of ht predict the
+    # same answer token.
     hs = student_hidden[student_scored]  # (N, H)
     ht = teacher_hidden[teacher_scored].detach()  # (N, H)
     N = hs.shape[0]
-    keep = torch.ones(N, device=hs.device)  # (N,) 1: in the loss, 0: left out
+    in_loss = torch.ones(N, device=hs.device)  # (N,) 1: in the loss, 0: left out
     if loss_positions is not None:
-        keep = loss_positions.float()
+        in_loss = loss_positions.float()
     W = lm_head_weight.detach()  # (V, H)
     need_grad = torch.is_grad_enabled() and hs.requires_grad
     total = hs.new_zeros((), dtype=torch.float32)
@@ -507,17 +528,20 @@ def opsd_loss(
             student_logits = h @ W.T  # (C, V)
             log_s, log_t = log_probs(student_logits, teacher_logits, temperature)
             k = clipped_divergence(log_s, log_t, beta=beta, clip=clip, tau=tau)  # (C,)
-            k = k * keep[i:i + chunk_size]  # a position left out adds nothing, nor gradient
+            k = k * in_loss[i:i + chunk_size]  # a position left out adds nothing, nor gradient
             if need_grad:
                 grads.append(torch.autograd.grad(k.sum(), h)[0])  # (C, H)
         total = total + k.detach().sum()
         if targets is not None:
             stats.append(divergence_stats(
                 student_logits.detach(), log_s.detach(), log_t.detach(),
-                targets[i:i + chunk_size], k.detach(), tau=tau))
+                targets[i:i + chunk_size], k.detach(), in_loss[i:i + chunk_size], tau=tau))
     loss = total / max(num_tokens, 1)
-    # surrogate = sum(hs * grad) / num_tokens; surrogate - surrogate.detach() has value 0
-    # and gradient grad / num_tokens: it carries the chunks' gradients into the model.
+    # Value and gradient are plain_loss's. The loss reaches the weights only through hs (W
+    # frozen, the teacher detached), so by the chain rule backward needs only
+    # d loss / d hs = grad / num_tokens, which the chunks computed: surrogate =
+    # sum(hs * grad) / num_tokens has that gradient, and surrogate - surrogate.detach()
+    # adds it at value 0 (tests/test_loss.py: test_chunked_equals_unchunked_value_and_gradient).
     # Built with no positions too, so backward runs on every rank.
     if need_grad:
         grad = torch.zeros_like(hs)  # (N, H) d sum_n k_n / d hs
@@ -554,7 +578,10 @@ def backward_step(
             teacher_hidden = final_hidden(model, teacher_inputs)  # (B, T_teacher, H)
         student_hidden = final_hidden(model, student_inputs)  # (B, T_student, H)
         # The shift by one, here only: hidden state t predicts token t + 1, so the positions
-        # scored run from the prompt's last token to the answer's last but one.
+        # scored run from the prompt's last token to the answer's last but one. The mask
+        # moves one left ([:, 1:]) and the hidden states lose their last position ([:, :-1]):
+        # both (B, T - 1), and at column t the hidden state of token t meets the mask of
+        # token t + 1.
         student_scored = student_answer[:, 1:]  # (B, T_student - 1)
         teacher_scored = teacher_answer[:, 1:]
         targets = student_inputs["input_ids"][:, 1:][student_scored]  # (N,) answer tokens
@@ -566,8 +593,9 @@ def backward_step(
         loss.backward()
         loss_sum += loss.item()
         stats.append(micro_stats)
-    # One collective for all LoRA gradients: a sum, not DDP's mean (each loss is already
-    # divided by the step's token count)
+    # One collective for all LoRA gradients: a sum over ranks, not DDP's mean. Each rank's
+    # loss is already divided by num_tokens, the count over all ranks, so the ranks'
+    # gradients add up to one batch's; a mean would divide by the number of ranks again.
     flat = all_reduce(torch.cat([p.grad.flatten() for p in lora_params]))
     for p, g in zip(lora_params, flat.split([p.numel() for p in lora_params])):
         p.grad.copy_(g.view_as(p))
@@ -587,7 +615,8 @@ def diagnostic_sums(stats, sampler_logprobs, tau):
         "clipped_mass": stats.clipped_mass.sum(), "first_kl": kl[starts].sum(),
         "first_tokens": len(starts), "gap": gap.sum(),
         "student_entropy": stats.student_entropy.sum(),
-        "teacher_entropy": stats.teacher_entropy.sum(), "negative": stats.negative.sum()}
+        "teacher_entropy": stats.teacher_entropy.sum(), "negative": stats.negative.sum(),
+        "loss_tokens": stats.in_loss.sum()}
     values = torch.tensor([float(v) for v in local.values()], device=kl.device)
     sums = dict(zip(local, all_reduce(values).tolist()))
     gap_max = torch.cat([gap, gap.new_zeros(1)]).max()  # 0 without positions
@@ -608,7 +637,8 @@ def kl_window_means(window, kl_window):
         "kl_first_token": w["first_kl"] / max(w["first_tokens"], 1),
         "entropy_student": w["student_entropy"] / tokens,
         "entropy_teacher": w["teacher_entropy"] / tokens,
-        "loss_frac_negative": w["negative"] / tokens, "kl_window_tokens": int(w["tokens"])}
+        "loss_frac_negative": w["negative"] / max(w["loss_tokens"], 1),
+        "kl_window_tokens": int(w["tokens"])}
 
 
 # -- The learning-rate schedule
@@ -618,7 +648,8 @@ def lr_at(step, *, lr, max_steps, warmup_steps=0, min_lr=0.0):
     # 1) linear warmup: lr * (step + 1) / warmup_steps, so the first step moves the weights
     if step < warmup_steps:
         return lr * (step + 1) / warmup_steps
-    # 2) cosine decay: min_lr + (lr - min_lr) (1 + cos(pi progress)) / 2, min_lr at the end
+    # 2) cosine decay: min_lr + (lr - min_lr) (1 + cos(pi progress)) / 2. Progress would
+    #    reach 1 (min_lr) at step max_steps, one past the last: no step runs at min_lr.
     progress = (step - warmup_steps) / max(1, max_steps - warmup_steps)
     return min_lr + 0.5 * (lr - min_lr) * (1.0 + math.cos(math.pi * progress))
 
@@ -924,7 +955,8 @@ LOCAL_FORMATS = {".json": "json", ".jsonl": "json", ".parquet": "parquet"}
 
 
 def load_rows(dataset, split, problem_column, context_column, data_select="all"):
-    """[(problem, context)]; `context_column` a,b joins two."""
+    """[(problem, context)] after --data-select; `context_column` a,b joins two columns'
+    texts, a blank line between."""
     import datasets
     datasets.disable_progress_bars()
     datasets.logging.set_verbosity(datasets.logging.CRITICAL)
@@ -954,25 +986,27 @@ def load_rows(dataset, split, problem_column, context_column, data_select="all")
         needed["generated_token_count"] = "--data-select hard"
     for column, flag in needed.items():
         if column not in table.column_names:
-            fail(f"--dataset {dataset} has no column {column!r} ({flag}); its columns are {table.column_names}.")
+            fail(f"--dataset {dataset} has no column {column!r} ({flag}); its columns are "
+                 f"{table.column_names}.")
     rows = table.to_list()
     if not rows:
-        fail(f"--dataset {dataset} holds no rows.")
+        fail(f"--dataset {dataset} holds no rows: give one that has some.")
     kinds = {"generated_token_count": ((int, float), "a number")}
     for number, row in enumerate(rows, 1):
         for column in needed:
             kind, noun = kinds.get(column, (str, "a string"))
             value = row[column]
             if not isinstance(value, kind) or isinstance(value, bool):
-                fail(f"--dataset {dataset}, row {number}: {column!r} is {value!r}, not {noun}: fix or drop the row.")
+                fail(f"--dataset {dataset}, row {number}: {column!r} is {value!r}, not {noun}: "
+                     "fix or drop the row.")
     if data_select == "hard":
         rows = select_hard(rows)
     return [(row[problem_column], "\n\n".join(row[c] for c in contexts)) for row in rows]
 
 
 def select_hard(rows):
-    """No source 'math' (KL near zero), the longer half."""
-
+    """Where teacher and student disagree: no source 'math' (KL near zero), then the longer
+    half, generated_token_count at or above the element at len // 2 of the sorted counts."""
     kept = [r for r in rows if r["source"] != "math"]
     if not kept:
         fail("--data-select hard: every row has source 'math': use --data-select all.")
@@ -1001,6 +1035,7 @@ def load_model(args, device):
 
 
 def disable_dropout(model):
+    """No dropout, as in the released recipe."""
     for m in model.modules():
         if isinstance(m, nn.Dropout):
             m.p = 0.0
@@ -1020,6 +1055,7 @@ def adapter_parameters(model):
 
 
 def save_adapter(model, out_dir, base_model_name_or_path):
+    """The adapter in PEFT's layout, which PEFT, vLLM and eval.py read."""
     layers = lora_layers(model)
     tensors = {name: p.detach().cpu().contiguous() for name, p in adapter_parameters(model).items()}
     first = next(iter(layers.values()))
@@ -1051,7 +1087,8 @@ def restore(checkpoint, model, lora_params, optimizer):
 
 
 def save_run_state(out_dir, model, lora_params, ema, args, state=None):
-    """checkpoint-<step>/ or final/, written aside, then renamed."""
+    """checkpoint-<step>/ or final/, written aside, then renamed. No RNG state: the data
+    order and the sampling seeds are functions of (seed, step)."""
     name = "final"
     if state:
         name = f"checkpoint-{state['step']}"
@@ -1129,6 +1166,9 @@ def rollout_records(args, step, indices, mine, completions, kl, tokenizer):
 
 
 GAP_ALARM = {"float32": 1e-4, "bfloat16": 5e-2}  # its floor on CPU kernels: 1e-6, 1e-2
+# `loss` is this step's, clipped, over the positions in the loss; `kl`, `>tau`, `entropy` and
+# `neg` are means over the --kl-window's steps (PositionStats defines each), kl the unclipped
+# forward KL: compare each with itself across steps, not kl with loss.
 STEP_LINE = (
     "step {step:4d}/{max_steps} | loss {loss:.4f} | lr {lr:.2e} | grad {grad_norm:.4f}"
     " | kl {kl_mean:.4f} >tau {kl_frac_above_tau:.1%} | len {completion_len_mean:.0f}"
@@ -1235,7 +1275,8 @@ def check_same_checkpoint(checkpoint):
 
 
 def run_record(args, prompts, device):
-    """args.json: the flags, prompts' ids, model files, device type."""
+    """args.json: the flags, and what else fixes the results: the prompts' ids, the model's
+    files, the device type (CPU and CUDA sample apart)."""
     ids = hashlib.sha256()
     for student, teacher in prompts:
         ids.update(array("q", [len(student), len(teacher), *student, *teacher]).tobytes())
@@ -1281,6 +1322,7 @@ def model_fingerprint(model):
 
 
 def model_dir(model):
+    """A local model's directory, or a hub model's cached snapshot; else None."""
     path = Path(model).expanduser()
     if path.is_dir():
         return path.resolve()
@@ -1297,6 +1339,7 @@ def model_dir(model):
 # -- The model: its logits, LoRA's targets, the device
 
 def check_model(args):
+    """Refusals from the model's config alone, before its weights load."""
     from transformers import AutoConfig, AutoModelForCausalLM
     try:
         config = AutoConfig.from_pretrained(args.model)
@@ -1315,12 +1358,14 @@ def check_model(args):
              f"{', '.join(LORA_TARGETS)} in every decoder layer, but {missing}.")
     parameters = skeleton.num_parameters()
     if args.device == "auto" and parameters > 1e8 and not torch.cuda.is_available():
-        fail(f"--device auto: torch {torch.__version__} sees no CUDA device, and --model {args.model} has "
-             f"{parameters / 1e9:.2f}B parameters, too many for a CPU: make a GPU visible, or pass --device cpu.")
+        fail(f"--device auto: torch {torch.__version__} sees no CUDA device, and --model "
+             f"{args.model} has {parameters / 1e9:.2f}B parameters, too many for a CPU: make "
+             "a GPU visible, or pass --device cpu.")
     context = getattr(config.get_text_config(), "max_position_embeddings", None)
     if context and args.max_prompt_length + args.max_new_tokens > context:
         fail(f"--max-prompt-length {args.max_prompt_length} + --max-new-tokens "
-             f"{args.max_new_tokens} exceeds the model's context of {context} tokens: lower one of them.")
+             f"{args.max_new_tokens} exceeds the model's context of {context} tokens: "
+             "lower one of them.")
 
 
 def check_chat_template(tokenizer, model):
@@ -1380,7 +1425,8 @@ def check_cuda_build():
 
 @torch.no_grad()
 def check_logits_path(model):
-    """None if final_hidden @ lm_head.weight^T are the logits on a probe, else why."""
+    """None if final_hidden @ lm_head.weight^T are the logits on a probe, else why: the
+    loss makes its logits so, and would be silently wrong (soft-capping, scaling, a bias)."""
     W = model.get_output_embeddings().weight
     if getattr(model.get_output_embeddings(), "bias", None) is not None:
         return "its lm_head has a bias"
@@ -1399,7 +1445,9 @@ def check_logits_path(model):
 # -- While it runs: the push read back; no non-finite update
 
 def fingerprint(weight):
-    """Exact: a weight's bits' plain, squared and position-weighted int64 sums."""
+    """Exact: a weight's bits' plain, squared and position-weighted sums in wrapping int64,
+    which no summation order changes."""
+    # + 0.0 turns -0.0 into 0.0, as the engine's read-back (a sum of products) may
     bits = (weight.detach() + 0.0).contiguous()
     bits = bits.view(getattr(torch, f"int{8 * weight.element_size()}")).flatten().long()
     position = torch.arange(1, bits.numel() + 1, device=bits.device)
@@ -1409,7 +1457,9 @@ def fingerprint(weight):
 
 @torch.no_grad()
 def engine_fingerprints(model):
-    """In vLLM's worker: each linear layer's fingerprint, by its GEMM on I; stacked ones split."""
+    """In vLLM's worker: each linear layer's fingerprint, read through the GEMM sampling uses
+    (on a CPU the weight lives only in a repacked kernel handle) applied to the identity:
+    I W^T = W^T exactly. Stacked layers (qkv_proj, gate_up_proj) are split back."""
     from vllm.model_executor.layers.linear import LinearBase
     stacked = getattr(model, "packed_modules_mapping", {})
     prints = {}
@@ -1425,6 +1475,7 @@ def engine_fingerprints(model):
 
 
 def check_push(llm, model):
+    """Each LoRA layer merged again, compared bit for bit with the engine's weights."""
     engine = llm.apply_model(engine_fingerprints)[0]
     for name, m in lora_layers(model).items():
         if engine.get(f"{name}.weight") != fingerprint(m.merged_weight()):
