@@ -659,6 +659,7 @@ def lr_at(step, *, lr, max_steps, warmup_steps=0, min_lr=0.0):
 # -- Config: the defaults are the released recipe's
 
 def check_flags(args):
+    """What would fail late or run wrongly, said before anything loads."""
     positive = (
         "lora_r", "lora_alpha", "max_prompt_length", "max_new_tokens", "tau",
         "loss_temperature", "loss_chunk_size", "max_steps", "prompts_per_step",
@@ -690,7 +691,8 @@ def check_flags(args):
 def parse_args(argv=None):
     p = argparse.ArgumentParser(
         prog="opsd.py", formatter_class=argparse.ArgumentDefaultsHelpFormatter,
-        description="On-Policy Self-Distillation; defaults: the released recipe.")
+        description="On-Policy Self-Distillation. Defaults: the released recipe for Qwen3-1.7B; "
+        "recommended: --clip token --skip-first-tokens 1.")
 
     p.error = fail  # argparse's refusals, as one sentence
 
@@ -702,23 +704,25 @@ def parse_args(argv=None):
         p.add_argument(flag, default=default, help=help, **kwargs)
 
     add("--model", "Qwen/Qwen3-1.7B", "hub id or local directory")
-    add("--dtype", "bfloat16", "of the weights; LoRA and the loss: float32",
+    add("--dtype", "bfloat16", "of the weights; LoRA and the loss are float32",
         choices=["bfloat16", "float32"])
     add("--lora-r", 64, "LoRA's rank")
     add("--lora-alpha", 128.0, "LoRA's scale is alpha / r")
     add("--teacher", "base", "base: LoRA off; current: the student; ema: its EMA",
         choices=["base", "current", "ema"])
-    add("--ema-decay", 0.999, "the EMA teacher's decay")
+    add("--ema-decay", 0.999, "the EMA teacher's decay (--teacher ema)")
     add("--gradient-checkpointing", True, "less memory, more time")
-    add("--dataset", "siyanzhao/Openthoughts_math_30k_opsd", "hub id, or .json, .jsonl, .parquet")
+    add("--dataset", "siyanzhao/Openthoughts_math_30k_opsd", "hub id, or a local .json, .jsonl "
+        "or .parquet file")
     add("--dataset-split", "train", "of a hub dataset")
     add("--problem-column", "problem", "the problem, a string")
-    add("--context-column", "solution", "the teacher's reference; a,b joins two")
+    add("--context-column", "solution", "the teacher's reference, a string; a,b joins two "
+        "columns")
     add("--data-select", "all", "hard: no source 'math', the longer half by "
         "generated_token_count", choices=["all", "hard"])
-    add("--teacher-context", "reference", "its row's reference, none, another row's, or its "
-        "\\boxed{} answer", choices=TEACHER_CONTEXTS)
-    add("--student-prompt", "recipe", "recipe: 'Problem: ...'; eval: eval.py's",
+    add("--teacher-context", "reference", "what the teacher is shown: its row's reference, none, "
+        "another row's, or its \\boxed{} answer", choices=TEACHER_CONTEXTS)
+    add("--student-prompt", "recipe", "recipe: 'Problem: ...'; eval: eval.py's prompt",
         choices=["recipe", "eval"])
     add("--student-thinking", False, "the chat template's enable_thinking")
     add("--teacher-thinking", True, "the chat template's enable_thinking")
@@ -735,13 +739,14 @@ def parse_args(argv=None):
     add("--tau", 0.05, "the clip's threshold")
     add("--beta", 0.0, "0: forward KL, 1: reverse, between: a JSD (zero at both ends)")
     add("--loss-temperature", 1.1, "the loss divides logits by it")
-    add("--skip-first-tokens", 0, "answer positions the loss skips; recommended: 1")
+    add("--skip-first-tokens", 0, "answer positions left out of the loss (not out of the logged "
+        "kl); recommended: 1")
     add("--loss-chunk-size", 256, "positions whose logits exist at once")
     add("--max-steps", 100, "optimizer steps")
-    add("--prompts-per-step", 32, "prompts a step, all ranks")
+    add("--prompts-per-step", 32, "prompts per optimizer step, all ranks")
     add("--micro-batch-size", 4, "prompts, per rank")
     add("--lr", 5e-6, "AdamW's peak learning rate")
-    add("--min-lr", 0.0, "the cosine schedule's end")
+    add("--min-lr", 0.0, "the cosine's floor, which no step reaches")
     add("--warmup-steps", 0, "linear warmup")
     add("--max-grad-norm", 0.1, "gradient clipping")
     add("--output-dir", "runs/opsd", "one run's directory")
@@ -755,8 +760,8 @@ def parse_args(argv=None):
     add("--collective-timeout", 30.0, "minutes a rank waits for the others, and the longest "
         "each start-up phase may take (connect, input checks, model load, vLLM's start)")
     add("--kl-window", 20_000, "answer tokens the logged means span")
-    add("--log-rollouts-every", 10, "steps; rank 0's answers, rollouts.jsonl; 0: never")
-    add("--wandb-project", None, "also log to wandb")
+    add("--log-rollouts-every", 10, "steps; rank 0's answers to rollouts.jsonl; 0: never")
+    add("--wandb-project", None, "also log to wandb (pip install wandb)")
 
     args = p.parse_args(argv)
     check_flags(args)
@@ -1238,11 +1243,11 @@ def check_output_dir(args):
         if existing and not args.overwrite:
             names = ", ".join(p.name for p in existing[:3])
             fail(f"--output-dir {out_dir} already holds a run ({names}): pass --resume to "
-                 "continue it, or --overwrite to replace it.")
+                 "continue it, --overwrite to replace it, or choose another --output-dir.")
         return None
     if not (out_dir / "args.json").is_file():
-        fail(f"--resume: {out_dir} holds no run (no args.json): every rank must see one "
-             "--output-dir.")
+        fail(f"--resume: {out_dir} holds no run to resume (no args.json): drop --resume to start "
+             "one; across nodes every rank must see one --output-dir.")
     if (out_dir / "final").exists():
         fail(f"--resume: the run in {out_dir} has finished: choose a new --output-dir.")
     checkpoint = latest_checkpoint(out_dir)

@@ -279,7 +279,7 @@ def test_output_dir_and_resume_refusals(tiny_model_dir, entry_run, tmp_path, cap
         (["--output-dir", str(finished), "--resume", *same], f"the run in {finished} has finished"),
         (["--output-dir", str(unfinished), "--resume", *same, "--max-steps", "200", "--lr", "1e-4", "--clip", "token"],
          f"--resume with other --clip, --max-steps, --lr than the run in {unfinished} would change its results"),
-        (["--output-dir", str(tmp_path / "empty"), "--resume", *same], "holds no run (no args.json)"),
+        (["--output-dir", str(tmp_path / "empty"), "--resume", *same], "holds no run to resume (no args.json): drop --resume"),
         (["--output-dir", str(older), "--resume", *same], f"--resume with other prompts, model files, device type than "
                                                           f"the run in {older}"),
         (["--output-dir", str(other), "--resume", *same], f"--resume with other prompts, device type than the run in "
@@ -480,8 +480,8 @@ def test_resume_on_a_rank_that_does_not_see_the_run_is_refused_by_that_rank(entr
     elsewhere = tmp_path / "node-local"
     out, proc, ranks = resume_with_rank_1_in(elsewhere, entry_run, tiny_model_dir, tmp_path)
     assert proc.returncode != 0 and "Traceback" not in ranks[0] + ranks[1]
-    sentence = (f"opsd.py: error: rank 1: --resume: {elsewhere} holds no run (no args.json): every rank must see one "
-                "--output-dir.")
+    sentence = (f"opsd.py: error: rank 1: --resume: {elsewhere} holds no run to resume (no args.json): drop --resume "
+                "to start one; across nodes every rank must see one --output-dir.")
     assert said(ranks[0] + ranks[1], sentence) == 1, ranks  # said once on the node, and in torchrun's report
     assert sentence in proc.stderr.split("Root Cause (first observed failure):", 1)[1]
 
