@@ -16,6 +16,7 @@ Part 1, the method; Part 2, the run; Part 3, the guards.
 """
 
 import argparse
+import faulthandler
 import hashlib
 import importlib.util
 import json
@@ -29,6 +30,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 import traceback
 import warnings
@@ -88,12 +90,17 @@ TRANSITION = (
 
 
 def student_message(problem, prompt="recipe"):
+    """The recipe's student message; with prompt="eval", eval.py's (no "Problem: "), so the
+    student trains in the prompt it is scored in."""
     if prompt == "eval":
         return f"{problem}\n\n{INSTRUCTION}"
     return f"Problem: {problem}\n\n{INSTRUCTION}"
 
 
 def teacher_message(problem, context):
+    """The problem, the privileged context (a reference solution), the transition. Without a
+    context (--teacher-context none), the student's message: the transition speaks of the
+    reference, so it goes with it."""
     if context is None:
         return student_message(problem)
     return (
@@ -131,7 +138,7 @@ def shown_contexts(rows, shown, seed):
         return [(problem, None) for problem, _ in rows]
     if shown == "other":  # another row's reference, alike on every rank and resume
         if len(rows) < 2:
-            fail("--teacher-context other needs at least two rows.")
+            fail("--teacher-context other needs at least two rows: add rows to --dataset.")
         # one cycle through a seeded order: row order[i] gets row order[i + 1]'s
         order = list(range(len(rows)))
         random.Random(seed).shuffle(order)
@@ -174,7 +181,8 @@ def build_prompts(
 
 
 def step_indices(step, prompts_per_step, num_prompts, seed):
-    """Prompt indices of step `step`: each epoch a permutation seeded by seed + epoch."""
+    """Prompt indices of step `step`: each epoch a permutation seeded by seed + epoch, so the
+    order is a function of (seed, step) and a resumed run needs no data-loader state."""
     positions = range(step * prompts_per_step, (step + 1) * prompts_per_step)
     orders = {}  # epoch -> its permutation, drawn once
     for epoch in {p // num_prompts for p in positions}:
@@ -216,7 +224,8 @@ class LoRALinear(nn.Module):
         return y + (self.scale * update).to(y.dtype)
 
     def merged_weight(self):
-        """W + (alpha / r) B A in the model's dtype, out of place."""
+        """W + (alpha / r) B A in the model's dtype, out of place: W is never touched, so the
+        fixed teacher (LoRA off) cannot drift."""
         update = self.scale * (self.lora_B @ self.lora_A)
         return (self.weight.float() + update).to(self.weight.dtype)
 
@@ -238,6 +247,8 @@ def add_lora(model, r, alpha, seed=0, targets=LORA_TARGETS):
 
 @torch.no_grad()
 def merged_weights(model):
+    """(HF parameter name, merged weight) per LoRA layer, one at a time: never a second copy
+    of the model."""
     for name, m in lora_layers(model).items():
         yield f"{name}.weight", m.merged_weight()
 
@@ -257,10 +268,10 @@ def engine_environment(cpu):
 
 
 def start_engine(args, device):
-    """This rank's vLLM engine, in this process; its start-up waits --collective-timeout."""
+    """This rank's vLLM engine, in this process (its start-up under the caller's time limit)."""
     from vllm import LLM
     max_model_len = args.max_prompt_length + args.max_new_tokens
-    extra = {"gpu_memory_utilization": args.vllm_memory}
+    extra = {"gpu_memory_utilization": args.vllm_memory, "enforce_eager": args.enforce_eager}
     if device.type == "cpu":
         extra = CPU_ENGINE
     launcher = None
@@ -277,7 +288,8 @@ def start_engine(args, device):
 
 def sample(llm, prompts, seeds, args):
     """Completions (token ids, with EOS when sampled) and vLLM's raw log-prob of each
-    token (before temperature, top-k, top-p); a seed per request."""
+    token (before temperature, top-k, top-p). A seed per request: the engine in this
+    process shares torch's global RNG with training."""
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
     params = [SamplingParams(
@@ -324,6 +336,7 @@ def lora_disabled(model):
 @contextmanager
 @torch.no_grad()
 def lora_values(lora_params, values):
+    """Run with other LoRA values (the EMA teacher's), then put the student's back."""
     student = [p.detach().clone() for p in lora_params]
     for p, v in zip(lora_params, values):
         p.copy_(v)
@@ -339,15 +352,17 @@ def teacher_weights(model, lora_params, teacher, ema):
         return lora_disabled(model)
     if teacher == "ema" and ema is not None:
         return lora_values(lora_params, ema)
+    # --teacher current; and --teacher ema at step 1, before any EMA exists (as in the
+    # released code): the student itself, at step 1 the base model (B = 0)
     return nullcontext()
 
 
 @torch.no_grad()
 def ema_update(ema, lora_params, decay):
-    """The EMA teacher's LoRA after a step. At step 1 the teacher is the student, equal
-    to the base (B = 0); the first update seeds the EMA with the student's LoRA, later
-    ones take ema = decay * ema + (1 - decay) * student, on A and B apart: B_ema A_ema,
-    not an average of B A."""
+    """The EMA teacher's LoRA after a step: ema = decay * ema + (1 - decay) * student, on A
+    and B apart (B_ema A_ema, not an average of B A)."""
+    # After step 1 no EMA exists yet: its first value is a copy of the student's LoRA, not
+    # an average with the base's (the released code's start)
     if ema is None:
         return [p.detach().clone() for p in lora_params]
     for e, p in zip(ema, lora_params):
@@ -449,13 +464,17 @@ class PositionStats(NamedTuple):
     logprob: torch.Tensor  # the student's raw log-prob of the sampled token (as vLLM's)
     student_entropy: torch.Tensor  # H(p_S) = -sum_v p_S(v) log p_S(v)
     teacher_entropy: torch.Tensor  # H(p_T)
-    negative: torch.Tensor  # 1 where the loss term is below -1e-6 (the entry clip's), else 0
+    # 1 where the loss term is below -1e-6 (the entry clip's), else 0; the logged
+    # loss_frac_negative is its share of the positions in the loss
+    negative: torch.Tensor
+    in_loss: torch.Tensor  # 1 in the loss, 0 where --skip-first-tokens leaves the position out
 
 
 @torch.no_grad()
-def divergence_stats(student_logits, log_s, log_t, targets, terms, *, tau):
+def divergence_stats(student_logits, log_s, log_t, targets, terms, in_loss, *, tau):
     """PositionStats from the student's raw logits (C, V), both log-probs at the loss
-    temperature (C, V), the sampled tokens (C,) and the loss terms (C,)."""
+    temperature (C, V), the sampled tokens (C,), the loss terms (C,) and which positions
+    are in the loss (C,)."""
     raw = student_logits.float()
     logprob = raw.gather(-1, targets[:, None])[:, 0] - raw.logsumexp(-1)
     p_t = log_t.exp()  # (C, V)
@@ -465,7 +484,7 @@ def divergence_stats(student_logits, log_s, log_t, targets, terms, *, tau):
     teacher_entropy = -(p_t * log_t).sum(-1)
     negative = (terms < -1e-6).float()  # float32's rounding of a zero term is not negative
     return PositionStats(
-        d.sum(-1), clipped_mass, logprob, student_entropy, teacher_entropy, negative)
+        d.sum(-1), clipped_mass, logprob, student_entropy, teacher_entropy, negative, in_loss)
 
 
 def join_stats(stats):
@@ -479,18 +498,22 @@ def opsd_loss(
     """(loss, stats) of one micro-batch: plain_loss's value and gradient over the
     positions in the loss, in chunks.
 
-    Hidden states (B, T, H) come before the frozen lm_head; each mask (B, T) selects
-    the N positions that predict an answer token (backward_step's shift by one), in
-    the same order on both sides. loss = the sum of the N loss terms /
-    num_tokens, the step's count over micro-batches and ranks. `loss_positions` (N,)
-    is 0 where --skip-first-tokens leaves a position out; `targets` (N,), the sampled
-    tokens, asks for `stats`, the PositionStats of all N positions."""
+    Hidden states come before the frozen lm_head, the student's (B, T_s, H) with its mask
+    (B, T_s), the teacher's (B, T_t, H) with (B, T_t); each mask selects the N positions
+    that predict an answer token. backward_step passes them shifted by one: T_s and T_t are
+    its batches' lengths less one. loss = the sum of the N loss terms / num_tokens, the
+    step's count over micro-batches and ranks. `loss_positions` (N,) is 0 where
+    --skip-first-tokens leaves a position out; `targets` (N,), the sampled tokens, asks
+    for `stats`, the PositionStats of all N positions."""
+    # Boolean indexing takes a mask's positions row by row, each row left to right; both
+    # masks select the same answers in the same rows, so row n of hs and of ht predict the
+    # same answer token.
     hs = student_hidden[student_scored]  # (N, H)
     ht = teacher_hidden[teacher_scored].detach()  # (N, H)
     N = hs.shape[0]
-    keep = torch.ones(N, device=hs.device)  # (N,) 1: in the loss, 0: left out
+    in_loss = torch.ones(N, device=hs.device)  # (N,) 1: in the loss, 0: left out
     if loss_positions is not None:
-        keep = loss_positions.float()
+        in_loss = loss_positions.float()
     W = lm_head_weight.detach()  # (V, H)
     need_grad = torch.is_grad_enabled() and hs.requires_grad
     total = hs.new_zeros((), dtype=torch.float32)
@@ -505,17 +528,20 @@ def opsd_loss(
             student_logits = h @ W.T  # (C, V)
             log_s, log_t = log_probs(student_logits, teacher_logits, temperature)
             k = clipped_divergence(log_s, log_t, beta=beta, clip=clip, tau=tau)  # (C,)
-            k = k * keep[i:i + chunk_size]  # a position left out adds nothing, nor gradient
+            k = k * in_loss[i:i + chunk_size]  # a position left out adds nothing, nor gradient
             if need_grad:
                 grads.append(torch.autograd.grad(k.sum(), h)[0])  # (C, H)
         total = total + k.detach().sum()
         if targets is not None:
             stats.append(divergence_stats(
                 student_logits.detach(), log_s.detach(), log_t.detach(),
-                targets[i:i + chunk_size], k.detach(), tau=tau))
+                targets[i:i + chunk_size], k.detach(), in_loss[i:i + chunk_size], tau=tau))
     loss = total / max(num_tokens, 1)
-    # surrogate = sum(hs * grad) / num_tokens; surrogate - surrogate.detach() has value 0
-    # and gradient grad / num_tokens: it carries the chunks' gradients into the model.
+    # Value and gradient are plain_loss's. The loss reaches the weights only through hs (W
+    # frozen, the teacher detached), so by the chain rule backward needs only
+    # d loss / d hs = grad / num_tokens, which the chunks computed: surrogate =
+    # sum(hs * grad) / num_tokens has that gradient, and surrogate - surrogate.detach()
+    # adds it at value 0 (tests/test_loss.py: test_chunked_equals_unchunked_value_and_gradient).
     # Built with no positions too, so backward runs on every rank.
     if need_grad:
         grad = torch.zeros_like(hs)  # (N, H) d sum_n k_n / d hs
@@ -552,7 +578,10 @@ def backward_step(
             teacher_hidden = final_hidden(model, teacher_inputs)  # (B, T_teacher, H)
         student_hidden = final_hidden(model, student_inputs)  # (B, T_student, H)
         # The shift by one, here only: hidden state t predicts token t + 1, so the positions
-        # scored run from the prompt's last token to the answer's last but one.
+        # scored run from the prompt's last token to the answer's last but one. The mask
+        # moves one left ([:, 1:]) and the hidden states lose their last position ([:, :-1]):
+        # both (B, T - 1), and at column t the hidden state of token t meets the mask of
+        # token t + 1.
         student_scored = student_answer[:, 1:]  # (B, T_student - 1)
         teacher_scored = teacher_answer[:, 1:]
         targets = student_inputs["input_ids"][:, 1:][student_scored]  # (N,) answer tokens
@@ -564,8 +593,9 @@ def backward_step(
         loss.backward()
         loss_sum += loss.item()
         stats.append(micro_stats)
-    # One collective for all LoRA gradients: a sum, not DDP's mean (each loss is already
-    # divided by the step's token count)
+    # One collective for all LoRA gradients: a sum over ranks, not DDP's mean. Each rank's
+    # loss is already divided by num_tokens, the count over all ranks, so the ranks'
+    # gradients add up to one batch's; a mean would divide by the number of ranks again.
     flat = all_reduce(torch.cat([p.grad.flatten() for p in lora_params]))
     for p, g in zip(lora_params, flat.split([p.numel() for p in lora_params])):
         p.grad.copy_(g.view_as(p))
@@ -585,7 +615,8 @@ def diagnostic_sums(stats, sampler_logprobs, tau):
         "clipped_mass": stats.clipped_mass.sum(), "first_kl": kl[starts].sum(),
         "first_tokens": len(starts), "gap": gap.sum(),
         "student_entropy": stats.student_entropy.sum(),
-        "teacher_entropy": stats.teacher_entropy.sum(), "negative": stats.negative.sum()}
+        "teacher_entropy": stats.teacher_entropy.sum(), "negative": stats.negative.sum(),
+        "loss_tokens": stats.in_loss.sum()}
     values = torch.tensor([float(v) for v in local.values()], device=kl.device)
     sums = dict(zip(local, all_reduce(values).tolist()))
     gap_max = torch.cat([gap, gap.new_zeros(1)]).max()  # 0 without positions
@@ -606,7 +637,8 @@ def kl_window_means(window, kl_window):
         "kl_first_token": w["first_kl"] / max(w["first_tokens"], 1),
         "entropy_student": w["student_entropy"] / tokens,
         "entropy_teacher": w["teacher_entropy"] / tokens,
-        "loss_frac_negative": w["negative"] / tokens, "kl_window_tokens": int(w["tokens"])}
+        "loss_frac_negative": w["negative"] / max(w["loss_tokens"], 1),
+        "kl_window_tokens": int(w["tokens"])}
 
 
 # -- The learning-rate schedule
@@ -616,7 +648,8 @@ def lr_at(step, *, lr, max_steps, warmup_steps=0, min_lr=0.0):
     # 1) linear warmup: lr * (step + 1) / warmup_steps, so the first step moves the weights
     if step < warmup_steps:
         return lr * (step + 1) / warmup_steps
-    # 2) cosine decay: min_lr + (lr - min_lr) (1 + cos(pi progress)) / 2, min_lr at the end
+    # 2) cosine decay: min_lr + (lr - min_lr) (1 + cos(pi progress)) / 2. Progress would
+    #    reach 1 (min_lr) at step max_steps, one past the last: no step runs at min_lr.
     progress = (step - warmup_steps) / max(1, max_steps - warmup_steps)
     return min_lr + 0.5 * (lr - min_lr) * (1.0 + math.cos(math.pi * progress))
 
@@ -626,6 +659,7 @@ def lr_at(step, *, lr, max_steps, warmup_steps=0, min_lr=0.0):
 # -- Config: the defaults are the released recipe's
 
 def check_flags(args):
+    """What would fail late or run wrongly, said before anything loads."""
     positive = (
         "lora_r", "lora_alpha", "max_prompt_length", "max_new_tokens", "tau",
         "loss_temperature", "loss_chunk_size", "max_steps", "prompts_per_step",
@@ -652,14 +686,13 @@ def check_flags(args):
     if args.prompts_per_step % (WORLD_SIZE * args.micro_batch_size):
         fail(f"--prompts-per-step {args.prompts_per_step} must be divisible by ranks x "
              f"--micro-batch-size = {WORLD_SIZE} x {args.micro_batch_size}.")
-    if args.wandb_project and not importlib.util.find_spec("wandb"):
-        fail("--wandb-project needs wandb: pip install wandb.")
 
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(
         prog="opsd.py", formatter_class=argparse.ArgumentDefaultsHelpFormatter,
-        description="On-Policy Self-Distillation; defaults: the released recipe.")
+        description="On-Policy Self-Distillation. Defaults: the released recipe for Qwen3-1.7B; "
+        "recommended: --clip token --skip-first-tokens 1.")
 
     p.error = fail  # argparse's refusals, as one sentence
 
@@ -671,23 +704,25 @@ def parse_args(argv=None):
         p.add_argument(flag, default=default, help=help, **kwargs)
 
     add("--model", "Qwen/Qwen3-1.7B", "hub id or local directory")
-    add("--dtype", "bfloat16", "of the weights; LoRA and the loss: float32",
+    add("--dtype", "bfloat16", "of the weights; LoRA and the loss are float32",
         choices=["bfloat16", "float32"])
     add("--lora-r", 64, "LoRA's rank")
     add("--lora-alpha", 128.0, "LoRA's scale is alpha / r")
     add("--teacher", "base", "base: LoRA off; current: the student; ema: its EMA",
         choices=["base", "current", "ema"])
-    add("--ema-decay", 0.999, "the EMA teacher's decay")
+    add("--ema-decay", 0.999, "the EMA teacher's decay (--teacher ema)")
     add("--gradient-checkpointing", True, "less memory, more time")
-    add("--dataset", "siyanzhao/Openthoughts_math_30k_opsd", "hub id, or .json, .jsonl, .parquet")
+    add("--dataset", "siyanzhao/Openthoughts_math_30k_opsd", "hub id, or a local .json, .jsonl "
+        "or .parquet file")
     add("--dataset-split", "train", "of a hub dataset")
     add("--problem-column", "problem", "the problem, a string")
-    add("--context-column", "solution", "the teacher's reference; a,b joins two")
+    add("--context-column", "solution", "the teacher's reference, a string; a,b joins two "
+        "columns")
     add("--data-select", "all", "hard: no source 'math', the longer half by "
         "generated_token_count", choices=["all", "hard"])
-    add("--teacher-context", "reference", "its row's reference, none, another row's, or its "
-        "\\boxed{} answer", choices=TEACHER_CONTEXTS)
-    add("--student-prompt", "recipe", "recipe: 'Problem: ...'; eval: eval.py's",
+    add("--teacher-context", "reference", "what the teacher is shown: its row's reference, none, "
+        "another row's, or its \\boxed{} answer", choices=TEACHER_CONTEXTS)
+    add("--student-prompt", "recipe", "recipe: 'Problem: ...'; eval: eval.py's prompt",
         choices=["recipe", "eval"])
     add("--student-thinking", False, "the chat template's enable_thinking")
     add("--teacher-thinking", True, "the chat template's enable_thinking")
@@ -697,18 +732,21 @@ def parse_args(argv=None):
     add("--top-p", 0.95, "vLLM's nucleus sampling")
     add("--top-k", 20, "vLLM's top-k sampling; -1: off")
     add("--vllm-memory", 0.3, "share of each GPU's")
+    add("--enforce-eager", False, "vLLM without CUDA graphs or torch.compile: a slower engine "
+        "to fall back on if they fail")
     add("--clip", "entry", "entry: the recipe's min(d_v, tau); token: min(k, tau), "
         "recommended", choices=["entry", "token", "none"])
     add("--tau", 0.05, "the clip's threshold")
     add("--beta", 0.0, "0: forward KL, 1: reverse, between: a JSD (zero at both ends)")
     add("--loss-temperature", 1.1, "the loss divides logits by it")
-    add("--skip-first-tokens", 0, "answer positions the loss skips; recommended: 1")
+    add("--skip-first-tokens", 0, "answer positions left out of the loss (not out of the logged "
+        "kl); recommended: 1")
     add("--loss-chunk-size", 256, "positions whose logits exist at once")
     add("--max-steps", 100, "optimizer steps")
-    add("--prompts-per-step", 32, "prompts a step, all ranks")
+    add("--prompts-per-step", 32, "prompts per optimizer step, all ranks")
     add("--micro-batch-size", 4, "prompts, per rank")
     add("--lr", 5e-6, "AdamW's peak learning rate")
-    add("--min-lr", 0.0, "the cosine schedule's end")
+    add("--min-lr", 0.0, "the cosine's floor, which no step reaches")
     add("--warmup-steps", 0, "linear warmup")
     add("--max-grad-norm", 0.1, "gradient clipping")
     add("--output-dir", "runs/opsd", "one run's directory")
@@ -717,11 +755,13 @@ def parse_args(argv=None):
     once = p.add_mutually_exclusive_group()
     once.add_argument("--resume", action="store_true", help="continue --output-dir's run")
     once.add_argument("--overwrite", action="store_true", help="replace --output-dir's run")
-    add("--device", "auto", "auto: CUDA when torch sees it", choices=["auto", "cpu", "cuda"])
-    add("--collective-timeout", 30.0, "minutes a rank waits for the others")
+    add("--device", "auto", "auto: CUDA when torch sees it; a CUDA build that sees none is "
+        "refused", choices=["auto", "cpu", "cuda"])
+    add("--collective-timeout", 30.0, "minutes a rank waits for the others, and the longest "
+        "each start-up phase may take (connect, input checks, model load, vLLM's start)")
     add("--kl-window", 20_000, "answer tokens the logged means span")
-    add("--log-rollouts-every", 10, "steps; rank 0's answers, rollouts.jsonl; 0: never")
-    add("--wandb-project", None, "also log to wandb")
+    add("--log-rollouts-every", 10, "steps; rank 0's answers to rollouts.jsonl; 0: never")
+    add("--wandb-project", None, "also log to wandb (pip install wandb)")
 
     args = p.parse_args(argv)
     check_flags(args)
@@ -731,7 +771,11 @@ def parse_args(argv=None):
 # -- The run
 
 def main(argv=None):
-    run = {"resume": resume_command(argv), "args": None, "step": None}  # before vLLM starts
+    flags = list(argv or sys.argv[1:])
+    again = [flag for flag in flags if flag not in ("--overwrite", "--resume")]
+    # the commands a stop prints, made before vLLM starts; "again" once this run has written
+    run = {"resume": launch_command(again + ["--resume"]), "again": launch_command(flags),
+           "args": None, "step": None}
     with stop_cleanly(run):
         args = parse_args(argv)
         run["args"] = args
@@ -739,18 +783,25 @@ def main(argv=None):
 
 
 def train(args, run):
-    if args.device != "cpu":
-        check_cuda_build()
-    device = init_distributed(args)
+    minutes = args.collective_timeout  # each start-up phase's limit, and each wait's
     out_dir = Path(args.output_dir)
+    connect_store(minutes)
+
+    # ---- what a node can get wrong, agreed before the process group exists
+    with ranks_agree("the start", minutes):
+        device = choose_device(args)
+        if args.wandb_project and not importlib.util.find_spec("wandb"):
+            fail("--wandb-project needs wandb: pip install wandb.")
+    with time_limit("the process group's start", minutes):
+        init_distributed(args, device)
 
     # ---- what a user can get wrong, before a model loads
-    with ranks_agree():
+    with ranks_agree("the input checks", minutes):
         resume_from = check_output_dir(args)
         check_model(args)
         tokenizer, prompts = load_prompts(args)
         args_record = run_record(args, prompts, device)
-        if resume_from:
+        if args.resume:
             check_resume(args_record, out_dir)
         try:  # the first thing written
             out_dir.mkdir(parents=True, exist_ok=True)
@@ -760,24 +811,28 @@ def train(args, run):
 
     # ---- the model with LoRA, and this rank's vLLM engine
     if resume_from:
-        with ranks_agree():
+        with ranks_agree("the checkpoint's check", minutes):
             check_checkpoint(resume_from)
-    with ranks_agree():  # timed, unlike vLLM's start-up
+        check_same_checkpoint(resume_from)
+    with ranks_agree("the model's load", minutes):
         model, lora_params = load_model(args, device)
     optimizer = torch.optim.AdamW(lora_params, lr=args.lr, weight_decay=0.0)
-    llm = start_engine(args, device)
+    with time_limit("vLLM's start", minutes):
+        llm = start_engine(args, device)
     start_step = 0
     ema = None
     window = deque()  # per-step sums, newest last
     if resume_from:
         start_step, ema, window = restore(resume_from, model, lora_params, optimizer)
         push_weights(llm, model)
-        with ranks_agree():
+        with ranks_agree("the weight push's check", minutes):
             check_push(llm, model)
         print0(f"resumed from {resume_from}")
     tracker = None
     if RANK == 0:
         tracker = open_run(args, start_step, args_record)
+    # the run is written: --resume without a checkpoint starts it again
+    run["again"] = run["resume"]
     pad_id = tokenizer.pad_token_id
     if pad_id is None:
         pad_id = tokenizer.eos_token_id
@@ -816,7 +871,7 @@ def train(args, run):
 
         # ---- update the inference engine's weights, and read them back
         push_weights(llm, model)
-        with ranks_agree():
+        with ranks_agree("the weight push's check", minutes):
             check_push(llm, model)
         t3 = time.perf_counter()
 
@@ -863,23 +918,25 @@ PUSH_ENVIRONMENT = {
     "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_FLOAT32_MATMUL_PRECISION": "highest"}
 
 
-def init_distributed(args):
-    device = torch.device("cpu")
-    if args.device != "cpu" and torch.cuda.is_available():
-        device = torch.device("cuda", LOCAL_RANK)
+def init_distributed(args, device):
+    if device.type == "cuda":
         torch.cuda.set_device(device)  # vLLM builds its engine on it
     choose_attention_kernels()
     if WORLD_SIZE > 1:
         timeout = timedelta(minutes=args.collective_timeout)
+        backend = "gloo"
+        device_id = None
         if device.type == "cuda":
-            # gloo (CPU tensors) connects first, timed; NCCL's connect (now: device_id) is not
-            dist.init_process_group("cpu:gloo,cuda:nccl", timeout=timeout, device_id=device)
-        else:
-            dist.init_process_group("gloo", timeout=timeout)
+            # gloo (CPU tensors) connects first, timed; then NCCL's connect (device_id), which
+            # only the caller's time limit bounds
+            backend = "cpu:gloo,cuda:nccl"
+            device_id = device
+        dist.init_process_group(
+            backend, store=STORE, rank=RANK, world_size=WORLD_SIZE, timeout=timeout,
+            device_id=device_id)
     os.environ.update(PUSH_ENVIRONMENT)
     torch.set_float32_matmul_precision("highest")
     engine_environment(cpu=device.type == "cpu")
-    return device
 
 
 # -- Data
@@ -887,6 +944,7 @@ def init_distributed(args):
 def load_prompts(args):
     from transformers import AutoTokenizer
     tokenizer = AutoTokenizer.from_pretrained(args.model)
+    check_chat_template(tokenizer, args.model)
     rows = load_rows(
         args.dataset, args.dataset_split, args.problem_column, args.context_column,
         args.data_select)
@@ -902,7 +960,8 @@ LOCAL_FORMATS = {".json": "json", ".jsonl": "json", ".parquet": "parquet"}
 
 
 def load_rows(dataset, split, problem_column, context_column, data_select="all"):
-    """[(problem, context)]; `context_column` a,b joins two."""
+    """[(problem, context)] after --data-select; `context_column` a,b joins two columns'
+    texts, a blank line between."""
     import datasets
     datasets.disable_progress_bars()
     datasets.logging.set_verbosity(datasets.logging.CRITICAL)
@@ -932,25 +991,27 @@ def load_rows(dataset, split, problem_column, context_column, data_select="all")
         needed["generated_token_count"] = "--data-select hard"
     for column, flag in needed.items():
         if column not in table.column_names:
-            fail(f"--dataset {dataset} has no column {column!r} ({flag}); its columns are {table.column_names}.")
+            fail(f"--dataset {dataset} has no column {column!r} ({flag}); its columns are "
+                 f"{table.column_names}.")
     rows = table.to_list()
     if not rows:
-        fail(f"--dataset {dataset} holds no rows.")
+        fail(f"--dataset {dataset} holds no rows: give one that has some.")
     kinds = {"generated_token_count": ((int, float), "a number")}
     for number, row in enumerate(rows, 1):
         for column in needed:
             kind, noun = kinds.get(column, (str, "a string"))
             value = row[column]
             if not isinstance(value, kind) or isinstance(value, bool):
-                fail(f"--dataset {dataset}, row {number}: {column!r} is {value!r}, not {noun}: fix or drop the row.")
+                fail(f"--dataset {dataset}, row {number}: {column!r} is {value!r}, not {noun}: "
+                     "fix or drop the row.")
     if data_select == "hard":
         rows = select_hard(rows)
     return [(row[problem_column], "\n\n".join(row[c] for c in contexts)) for row in rows]
 
 
 def select_hard(rows):
-    """No source 'math' (KL near zero), the longer half."""
-
+    """Where teacher and student disagree: no source 'math' (KL near zero), then the longer
+    half, generated_token_count at or above the element at len // 2 of the sorted counts."""
     kept = [r for r in rows if r["source"] != "math"]
     if not kept:
         fail("--data-select hard: every row has source 'math': use --data-select all.")
@@ -979,6 +1040,7 @@ def load_model(args, device):
 
 
 def disable_dropout(model):
+    """No dropout, as in the released recipe."""
     for m in model.modules():
         if isinstance(m, nn.Dropout):
             m.p = 0.0
@@ -998,6 +1060,7 @@ def adapter_parameters(model):
 
 
 def save_adapter(model, out_dir, base_model_name_or_path):
+    """The adapter in PEFT's layout, which PEFT, vLLM and eval.py read."""
     layers = lora_layers(model)
     tensors = {name: p.detach().cpu().contiguous() for name, p in adapter_parameters(model).items()}
     first = next(iter(layers.values()))
@@ -1029,7 +1092,8 @@ def restore(checkpoint, model, lora_params, optimizer):
 
 
 def save_run_state(out_dir, model, lora_params, ema, args, state=None):
-    """checkpoint-<step>/ or final/, written aside, then renamed."""
+    """checkpoint-<step>/ or final/, written aside, then renamed. No RNG state: the data
+    order and the sampling seeds are functions of (seed, step)."""
     name = "final"
     if state:
         name = f"checkpoint-{state['step']}"
@@ -1107,6 +1171,9 @@ def rollout_records(args, step, indices, mine, completions, kl, tokenizer):
 
 
 GAP_ALARM = {"float32": 1e-4, "bfloat16": 5e-2}  # its floor on CPU kernels: 1e-6, 1e-2
+# `loss` is this step's, clipped, over the positions in the loss; `kl`, `>tau`, `entropy` and
+# `neg` are means over the --kl-window's steps (PositionStats defines each), kl the unclipped
+# forward KL: compare each with itself across steps, not kl with loss.
 STEP_LINE = (
     "step {step:4d}/{max_steps} | loss {loss:.4f} | lr {lr:.2e} | grad {grad_norm:.4f}"
     " | kl {kl_mean:.4f} >tau {kl_frac_above_tau:.1%} | len {completion_len_mean:.0f}"
@@ -1142,50 +1209,55 @@ def log_step(args, record, rollouts, tracker):
 # flags a resume may change: how it runs or logs, not what it computes
 RESUMABLE_CHANGES = (
     "output_dir", "resume", "overwrite", "micro_batch_size", "gradient_checkpointing",
-    "loss_chunk_size", "vllm_memory", "device", "collective_timeout", "save_every",
+    "loss_chunk_size", "vllm_memory", "enforce_eager", "device", "collective_timeout", "save_every",
     "kl_window", "log_rollouts_every", "wandb_project")
 
 
 def run_files(out_dir):
     names = ["args.json", "metrics.jsonl", "rollouts.jsonl", "final"]
     found = [out_dir / n for n in names if (out_dir / n).exists()]
-    return found + sorted(out_dir.glob("checkpoint-*"))
+    return found + sorted(checkpoints(out_dir).values())
+
+
+def checkpoints(out_dir):
+    """{step: directory} of each checkpoint-<step>: any other name is not a checkpoint."""
+    found = {}
+    for path in Path(out_dir).glob("checkpoint-*"):
+        if re.fullmatch(r"checkpoint-\d+", path.name):
+            found[int(path.name.split("-")[1])] = path
+    return found
 
 
 def latest_checkpoint(out_dir):
-    steps = [int(d.name.split("-")[1]) for d in Path(out_dir).glob("checkpoint-*")
-             if (d / "trainer_state.pt").exists()]
+    steps = [step for step, d in checkpoints(out_dir).items() if (d / "trainer_state.pt").exists()]
     if not steps:
         return None
     return Path(out_dir) / f"checkpoint-{max(steps)}"
 
 
 def check_output_dir(args):
-    """The checkpoint to resume, or None."""
+    """The checkpoint to resume, or None (a run without one starts again)."""
     out_dir = Path(args.output_dir)
     existing = run_files(out_dir)
     if not args.resume:
         if existing and not args.overwrite:
             names = ", ".join(p.name for p in existing[:3])
             fail(f"--output-dir {out_dir} already holds a run ({names}): pass --resume to "
-                 "continue it, or --overwrite to replace it.")
+                 "continue it, --overwrite to replace it, or choose another --output-dir.")
         return None
     if not (out_dir / "args.json").is_file():
-        fail(f"--resume: {out_dir} holds no run (no args.json): every rank must see one --output-dir.")
+        fail(f"--resume: {out_dir} holds no run to resume (no args.json): drop --resume to start "
+             "one; across nodes every rank must see one --output-dir.")
     if (out_dir / "final").exists():
         fail(f"--resume: the run in {out_dir} has finished: choose a new --output-dir.")
     checkpoint = latest_checkpoint(out_dir)
     if checkpoint is None:
-        fail(f"--resume: {out_dir} holds no checkpoint yet: restart with --overwrite.")
+        print0(f"--resume: {out_dir} holds no checkpoint yet: the run starts again at step 1")
     return checkpoint
 
 
 def check_checkpoint(checkpoint):
-    """Alike on all ranks; each file loads."""
-    step = int(checkpoint.name.split("-")[1])
-    steps = all_reduce(torch.tensor([step, -step]), dist.ReduceOp.MAX).tolist()
-    if steps[0] != -steps[1]:
-        fail(f"--resume: ranks see checkpoints {-steps[1]} to {steps[0]} as the newest: use one --output-dir.")
+    """Each file of the checkpoint loads."""
     try:
         ema = checkpoint.glob(f"ema/{ADAPTER_WEIGHTS}")
         for path in [checkpoint / "trainer_state.pt", checkpoint / ADAPTER_WEIGHTS, *ema]:
@@ -1194,12 +1266,22 @@ def check_checkpoint(checkpoint):
             else:
                 load_file(path)
     except Exception as e:
-        fail(f"--resume: {path} does not load ({str(e).split('. ')[0]}): move {checkpoint.name} "
-             "aside to resume from the one before.")
+        fail(f"--resume: {path} does not load ({str(e).split('. ')[0]}): rename "
+             f"{checkpoint.name} to bad-{checkpoint.name} to resume from the one before.")
+
+
+def check_same_checkpoint(checkpoint):
+    """Every rank resumes from the same step (one --output-dir on every node)."""
+    step = int(checkpoint.name.split("-")[1])
+    steps = all_reduce(torch.tensor([step, -step]), dist.ReduceOp.MAX).tolist()
+    if steps[0] != -steps[1]:
+        fail(f"--resume: ranks see checkpoints {-steps[1]} to {steps[0]} as the newest: use one "
+             "--output-dir.")
 
 
 def run_record(args, prompts, device):
-    """args.json: the flags, prompts' ids, model files, device type."""
+    """args.json: the flags, and what else fixes the results: the prompts' ids, the model's
+    files, the device type (CPU and CUDA sample apart)."""
     ids = hashlib.sha256()
     for student, teacher in prompts:
         ids.update(array("q", [len(student), len(teacher), *student, *teacher]).tobytes())
@@ -1245,6 +1327,7 @@ def model_fingerprint(model):
 
 
 def model_dir(model):
+    """A local model's directory, or a hub model's cached snapshot; else None."""
     path = Path(model).expanduser()
     if path.is_dir():
         return path.resolve()
@@ -1261,6 +1344,7 @@ def model_dir(model):
 # -- The model: its logits, LoRA's targets, the device
 
 def check_model(args):
+    """Refusals from the model's config alone, before its weights load."""
     from transformers import AutoConfig, AutoModelForCausalLM
     try:
         config = AutoConfig.from_pretrained(args.model)
@@ -1279,12 +1363,21 @@ def check_model(args):
              f"{', '.join(LORA_TARGETS)} in every decoder layer, but {missing}.")
     parameters = skeleton.num_parameters()
     if args.device == "auto" and parameters > 1e8 and not torch.cuda.is_available():
-        fail(f"--device auto: torch {torch.__version__} sees no CUDA device, and --model {args.model} has "
-             f"{parameters / 1e9:.2f}B parameters, too many for a CPU: make a GPU visible, or pass --device cpu.")
+        fail(f"--device auto: torch {torch.__version__} sees no CUDA device, and --model "
+             f"{args.model} has {parameters / 1e9:.2f}B parameters, too many for a CPU: make "
+             "a GPU visible, or pass --device cpu.")
     context = getattr(config.get_text_config(), "max_position_embeddings", None)
     if context and args.max_prompt_length + args.max_new_tokens > context:
         fail(f"--max-prompt-length {args.max_prompt_length} + --max-new-tokens "
-             f"{args.max_new_tokens} exceeds the model's context of {context} tokens: lower one of them.")
+             f"{args.max_new_tokens} exceeds the model's context of {context} tokens: "
+             "lower one of them.")
+
+
+def check_chat_template(tokenizer, model):
+    """Both scripts render prompts with the model's chat template."""
+    if tokenizer.chat_template is None:
+        fail(f"--model {model} has no chat template (its tokenizer sets none): use a chat or "
+             "instruct model, or give its directory a chat_template.jinja.")
 
 
 def missing_lora_targets(model):
@@ -1305,6 +1398,27 @@ def missing_lora_targets(model):
     return "; ".join(parts) or None
 
 
+def choose_device(args):
+    """CUDA when asked for or seen. A node that asks for it and cannot have it is refused: it
+    would train on its CPU, or leave the other nodes waiting."""
+    if args.device == "cpu":
+        return torch.device("cpu")
+    check_cuda_build()
+    if torch.cuda.is_available():
+        if LOCAL_RANK >= torch.cuda.device_count():
+            fail(f"this node sees {torch.cuda.device_count()} GPUs, fewer than its ranks: "
+                 "lower torchrun's --nproc_per_node.")
+        return torch.device("cuda", LOCAL_RANK)
+    if args.device == "cuda" and not torch.version.cuda:
+        fail(f"--device cuda: torch {torch.__version__} is a CPU build: pip install -r "
+             "requirements.txt in a fresh venv, or pass --device cpu.")
+    if torch.version.cuda:
+        fail(f"--device {args.device}: torch {torch.__version__} sees no GPU (a driver too old for "
+             f"CUDA {torch.version.cuda}, CUDA_VISIBLE_DEVICES, a container without GPUs?): make "
+             "one visible, or pass --device cpu.")
+    return torch.device("cpu")
+
+
 def check_cuda_build():
     if torch.version.cuda or not shutil.which("nvidia-smi"):
         return
@@ -1316,7 +1430,8 @@ def check_cuda_build():
 
 @torch.no_grad()
 def check_logits_path(model):
-    """None if final_hidden @ lm_head.weight^T are the logits on a probe, else why."""
+    """None if final_hidden @ lm_head.weight^T are the logits on a probe, else why: the
+    loss makes its logits so, and would be silently wrong (soft-capping, scaling, a bias)."""
     W = model.get_output_embeddings().weight
     if getattr(model.get_output_embeddings(), "bias", None) is not None:
         return "its lm_head has a bias"
@@ -1335,7 +1450,9 @@ def check_logits_path(model):
 # -- While it runs: the push read back; no non-finite update
 
 def fingerprint(weight):
-    """Exact: a weight's bits' plain, squared and position-weighted int64 sums."""
+    """Exact: a weight's bits' plain, squared and position-weighted sums in wrapping int64,
+    which no summation order changes."""
+    # + 0.0 turns -0.0 into 0.0, as the engine's read-back (a sum of products) may
     bits = (weight.detach() + 0.0).contiguous()
     bits = bits.view(getattr(torch, f"int{8 * weight.element_size()}")).flatten().long()
     position = torch.arange(1, bits.numel() + 1, device=bits.device)
@@ -1345,7 +1462,9 @@ def fingerprint(weight):
 
 @torch.no_grad()
 def engine_fingerprints(model):
-    """In vLLM's worker: each linear layer's fingerprint, by its GEMM on I; stacked ones split."""
+    """In vLLM's worker: each linear layer's fingerprint, read through the GEMM sampling uses
+    (on a CPU the weight lives only in a repacked kernel handle) applied to the identity:
+    I W^T = W^T exactly. Stacked layers (qkv_proj, gate_up_proj) are split back."""
     from vllm.model_executor.layers.linear import LinearBase
     stacked = getattr(model, "packed_modules_mapping", {})
     prints = {}
@@ -1361,6 +1480,7 @@ def engine_fingerprints(model):
 
 
 def check_push(llm, model):
+    """Each LoRA layer merged again, compared bit for bit with the engine's weights."""
     engine = llm.apply_model(engine_fingerprints)[0]
     for name, m in lora_layers(model).items():
         if engine.get(f"{name}.weight") != fingerprint(m.merged_weight()):
@@ -1374,29 +1494,113 @@ def check_finite(step, loss, grad_norm):
              "stopped before the update: try a lower --lr.")
 
 
-# -- When a run stops: a refusal agreed, a failure at once
+# -- When a run stops: a refusal agreed, a failure at once, no start-up phase unbounded
+
+STORE = None  # torchrun's key-value store (connect_store): the ranks' agreements go through it
+AGREEMENTS = []  # the phases agreed on so far: every rank makes the same ones in the same order
+ENDING = threading.Lock()  # held by what ends this rank first: a time limit, or stop_cleanly
+
 
 def say(text, all_ranks=False):
     """Print (once a node if all ranks say it); also for torchrun's report."""
     if LOCAL_RANK == 0 or not all_ranks:
         print(text, file=sys.stderr, flush=True)
+    report(text, time.time())
+
+
+def report(text, timestamp):
+    """`text` for torchrun's report of this rank, should it end before saying anything else;
+    None: nothing."""
     path = os.environ.get("TORCHELASTIC_ERROR_FILE")
-    if path:
-        Path(path).write_text(json.dumps({"message": text, "timestamp": int(time.time())}))
+    if not path:
+        return
+    if text is None:
+        Path(path).unlink(missing_ok=True)
+        return
+    Path(path).write_text(json.dumps({"message": text, "timestamp": int(timestamp)}))
+
+
+def connect_store(minutes):
+    """The store torchrun's agent on node 0 keeps (env://). It exists before the process
+    group, so a refusal made before the group reaches every node too."""
+    global STORE
+    if WORLD_SIZE > 1:
+        timeout = timedelta(minutes=minutes)
+        STORE = next(dist.rendezvous("env://", RANK, WORLD_SIZE, timeout=timeout))[0]
+
+
+def end_rank(message):
+    """A time limit has passed: this rank's line, where each thread was, then exit 1."""
+    if ENDING.acquire(blocking=False):
+        say(message)
+        faulthandler.dump_traceback(sys.__stderr__)
+        os._exit(1)
 
 
 @contextmanager
-def ranks_agree():
-    """All refuse with the first refusal, naming its rank if not all's."""
-
-    problem = None
+def time_limit(phase, minutes):
+    """End this rank if `phase` has not ended within `minutes`. A thread says so; if the main
+    thread holds Python's lock inside a C call (NCCL's split, CUDA's start), faulthandler's own
+    thread, which needs no lock, ends the rank a minute later: it prints where each thread was,
+    and torchrun's report says the phase."""
+    seconds = minutes * 60
+    message = (f"opsd.py: rank {RANK}: {phase} did not end within {minutes:g} minutes "
+               "(--collective-timeout); where each thread was:")
+    timer = threading.Timer(seconds, end_rank, [message])
+    timer.daemon = True
+    timer.start()
+    faulthandler.dump_traceback_later(seconds + 60, exit=True, file=sys.__stderr__)
+    report(f"opsd.py: rank {RANK}: ended during {phase} (its limit: {minutes:g} minutes, "
+           "--collective-timeout)", time.time() + seconds + 60)
     try:
         yield
+    finally:
+        timer.cancel()
+        faulthandler.cancel_dump_traceback_later()
+        report(None, 0)  # the phase is over
+
+
+def agreement_keys(phase):
+    """Each rank's key in the store for the next agreement, on `phase`."""
+    AGREEMENTS.append(phase)
+    restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")  # a restart starts again at 1
+    return [f"opsd/{restart}/{len(AGREEMENTS)}/{rank}" for rank in range(WORLD_SIZE)]
+
+
+def exchange(phase, text, minutes):
+    """Every rank's `text` for this agreement, through the store; a rank that has not given
+    its own within `minutes` is named."""
+    if STORE is None:
+        return [text]
+    keys = agreement_keys(phase)
+    STORE.set(keys[RANK], text)
+    try:
+        STORE.wait(keys, timedelta(minutes=minutes))
+    except dist.DistStoreError:  # the wait's timeout
+        missing = [str(rank) for rank, key in enumerate(keys) if not STORE.check([key])]
+        fail(f"rank {', '.join(missing)} did not reach {phase} within {minutes:g} minutes "
+             "(--collective-timeout): the log of its node says where it stopped.")
+    except dist.DistError as e:
+        fail(f"torchrun's store on node 0 went away during {phase} ({e}): node 0's log says why.")
+    return [STORE.get(key).decode() for key in keys]
+
+
+@contextmanager
+def ranks_agree(phase, minutes):
+    """Run `phase` within its time limit, then all ranks refuse with the first refusal (naming
+    its rank if not all's). A rank that fails instead tells the others, who end at once."""
+    problem = ""
+    try:
+        with time_limit(phase, minutes):
+            yield
     except Refusal as e:
         problem = str(e)
-    problems = [problem] * WORLD_SIZE
-    if dist.is_initialized():
-        dist.all_gather_object(problems, problem)
+    except Exception as e:
+        if STORE is not None:  # its key for this agreement, so no rank waits for it
+            failed = f"{phase} failed ({type(e).__name__}): the log of its node says why."
+            STORE.set(agreement_keys(phase)[RANK], failed)
+        raise
+    problems = exchange(phase, problem, minutes)
     refusals = [(rank, p) for rank, p in enumerate(problems) if p]
     if refusals:
         rank, problem = refusals[0]
@@ -1405,14 +1609,14 @@ def ranks_agree():
         fail(problem)
 
 
-def resume_command(argv):
-    flags = [a for a in argv or sys.argv[1:] if a not in ("--overwrite", "--resume")]
+def launch_command(flags):
+    """The command that runs opsd.py with `flags`, launched as this run was."""
     launcher = "python"
     if WORLD_SIZE > 1:
         launcher = f"torchrun --nproc_per_node {WORLD_SIZE}"
     if int(os.environ.get("LOCAL_WORLD_SIZE", WORLD_SIZE)) != WORLD_SIZE:
         launcher = "torchrun (on every node, launched as before)"
-    return f"{launcher} opsd.py {shlex.join(flags)} --resume"
+    return f"{launcher} opsd.py {shlex.join(flags)}"
 
 
 @contextmanager
@@ -1426,9 +1630,11 @@ def stop_cleanly(run):
     try:
         yield
     except Refusal as e:
-        say(f"opsd.py: error: {e}", all_ranks=True)
+        with ENDING:  # a time limit that is ending this rank says it alone
+            say(f"opsd.py: error: {e}", all_ranks=True)
         raise SystemExit(2)
     except (Exception, KeyboardInterrupt) as e:
+        ENDING.acquire()
         signal.signal(signal.SIGINT, signal.SIG_IGN)  # torchrun passes Ctrl-C on: once is enough
         where = "before the first step"
         if run["step"] is not None:
@@ -1436,15 +1642,23 @@ def stop_cleanly(run):
         last = None
         if run["args"]:
             last = latest_checkpoint(run["args"].output_dir)
-        if interrupted:  # also printed at the start: rank 0 may not get here
-            print0(f"opsd.py: interrupted {where} (the last checkpoint is {last}); to resume: {run['resume']}",
+        saved = f"the last checkpoint is {last}"
+        if last is None:
+            saved = "no checkpoint yet"
+        if interrupted and last is None:  # rank 0 says it; the others may be ended first
+            print0(f"opsd.py: interrupted {where}, before any checkpoint: nothing to resume; "
+                   f"to start again: {run['again']}", file=sys.stderr)
+        elif interrupted:  # the command was also printed at the start
+            print0(f"opsd.py: interrupted {where} ({saved}); to resume: {run['resume']}",
                    file=sys.stderr)
+        if interrupted:
             os._exit(130)
         hint = ""
         if isinstance(e, torch.OutOfMemoryError):
             hint = "; lower --micro-batch-size, --loss-chunk-size or --vllm-memory"
         # a failed collective is this rank's error too
-        say(f"opsd.py: rank {RANK}: error {where} (the last checkpoint is {last}){hint}:\n{traceback.format_exc()}")
+        error = traceback.format_exc()
+        say(f"opsd.py: rank {RANK}: error {where} ({saved}){hint}:\n{error}")
         os._exit(1)  # past vLLM's teardown, which could wait for others
     finally:
         signal.signal(signal.SIGINT, previous)

@@ -1,13 +1,17 @@
 """opsd.py with one fault on rank 1 alone, for tests/test_ranks.py and tests/test_train.py (not collected by pytest):
 
-    FAULT=oom|bug|kill|hang|early|data:PATH|output-dir:PATH|slow-final torchrun --nproc_per_node 2 tests/fault_launch.py ...
+    FAULT=oom|bug|kill|hang|data:PATH|output-dir:PATH|slow-final|stall:PHASE|no-cuda|no-wandb \
+        torchrun --nproc_per_node 2 tests/fault_launch.py ...
 
 data:PATH and output-dir:PATH give rank 1 another --dataset or --output-dir (a file that is not there, a corrupt one,
 a directory the other rank does not see; with output-dir every rank prints "loading the model" as it starts to); oom raises torch.OutOfMemoryError in rank 1's third step, bug a RuntimeError, kill sends
-rank 1 SIGKILL there, hang SIGSTOP (a rank that neither answers nor ends); early makes rank 1 refuse before the process
-group exists (as on a node whose torch is a CPU build); slow-final makes rank 0's final save take 5 s longer. Rank 1
+rank 1 SIGKILL there, hang SIGSTOP (a rank that neither answers nor ends); slow-final makes rank 0's final save take 15 s
+longer. stall:PHASE makes rank 1 sleep where a real call would block: in the agreement at the start (start), in the
+process group's connect (connect), in the model's load (load) or in vLLM's start (engine). no-cuda makes rank 1's torch
+a CUDA build that sees no GPU; no-wandb hides wandb from rank 1: both refused before the process group exists. Rank 1
 prints "fault at <unix time> in <pid>" to stderr just before its fault."""
 
+import importlib.util
 import os
 import signal
 import sys
@@ -20,6 +24,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import opsd  # noqa: E402
 
 kind, _, value = os.environ["FAULT"].partition(":")
+if kind == "slow-final" or value in ("load", "engine"):
+    # imported before the run, so that its start-up phases stay well within the short --collective-timeout these
+    # tests give (each phase's time limit); the run's own imports then find them loaded
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
+    import transformers.models.auto.modeling_auto  # noqa: F401
+    import vllm  # noqa: F401
 if kind == "output-dir":  # every rank says when it starts loading the model: a refusal on resume comes before
     load = opsd.load_model
 
@@ -33,17 +43,28 @@ if kind == "slow-final" and os.environ["RANK"] == "0":
     def slow_final_save(*args, **kwargs):
         if len(args) < 6 and "state" not in kwargs:  # final/, after the last step
             print("slow final save", file=sys.stderr, flush=True)
-            time.sleep(5)
+            time.sleep(15)
         return save(*args, **kwargs)
     opsd.save_run_state = slow_final_save
 elif kind == "slow-final":
     pass
 elif os.environ["RANK"] == "1":
-    if kind == "early":
-        def refuse_before_the_group(args):
+    if kind == "stall":
+        where = {"start": opsd, "connect": opsd.dist, "load": opsd, "engine": opsd}[value]
+        name = {"start": "choose_device", "connect": "init_process_group", "load": "load_model",
+                "engine": "start_engine"}[value]
+
+        def stall(*args, **kwargs):
             print(f"fault at {time.time()} in {os.getpid()}", file=sys.stderr, flush=True)
-            opsd.fail("a test's refusal before the process group exists")
-        opsd.init_distributed = refuse_before_the_group
+            time.sleep(3600)
+        setattr(where, name, stall)
+    elif kind == "no-cuda":
+        print(f"fault at {time.time()} in {os.getpid()}", file=sys.stderr, flush=True)
+        torch.version.cuda = "13.0"  # a CUDA build, and no GPU visible: is_available() is False here
+    elif kind == "no-wandb":
+        print(f"fault at {time.time()} in {os.getpid()}", file=sys.stderr, flush=True)
+        find_spec = importlib.util.find_spec
+        importlib.util.find_spec = lambda name, *args: None if name == "wandb" else find_spec(name, *args)
     elif kind in ("data", "output-dir"):
         flag = "--dataset" if kind == "data" else "--output-dir"
         sys.argv[sys.argv.index(flag) + 1] = value

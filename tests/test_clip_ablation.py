@@ -150,7 +150,8 @@ def test_the_step1_profile_recomputes_two_ways(drift):
         top64.append(log_t.exp().max(-1).values)
         log_s32, log_t32 = opsd.log_probs(s, t, 1.1)
         terms = opsd.clipped_divergence(log_s32, log_t32, beta=0.0, clip="entry", tau=0.05)
-        stats = opsd.divergence_stats(s, log_s32, log_t32, torch.tensor(r["completion_ids"]), terms, tau=0.05)
+        stats = opsd.divergence_stats(s, log_s32, log_t32, torch.tensor(r["completion_ids"]), terms, torch.ones(n),
+                                      tau=0.05)
         kl.append(stats.kl)
         clipped.append(stats.clipped_mass)
     kl64, clipped64, top64 = torch.cat(kl64), torch.cat(clipped64), torch.cat(top64)

@@ -200,3 +200,51 @@ def test_every_flag_has_help_and_shows_its_default():
     assert len(entries) >= 45
     assert "recommended" in entries["--clip"] and "recommended" in entries["--skip-first-tokens"]
     assert "(default: 0.999)" in entries["--ema-decay"]
+
+
+def test_a_run_that_asks_for_cuda_and_cannot_have_it_is_refused_before_anything_loads(base, tmp_path, capsys,
+                                                                                       monkeypatch):
+    """--device cuda without a GPU once trained on the CPU and exited 0; a CUDA build that sees no GPU (a driver too
+    old, a container started without GPUs) is refused with --device auto too. Before the process group, so across
+    nodes every node says it (test_ranks.py)."""
+    monkeypatch.setattr(opsd.torch.cuda, "is_available", lambda: False)
+    cuda = base + ["--device", "cuda"]
+    assert error_of(cuda, capsys) == (f"opsd.py: error: --device cuda: torch {torch.__version__} is a CPU build: pip "
+                                      "install -r requirements.txt in a fresh venv, or pass --device cpu.\n")
+    monkeypatch.setattr(opsd.torch.version, "cuda", "13.0")
+    for device in ("cuda", "auto"):
+        assert error_of(base + ["--device", device], capsys) == (
+            f"opsd.py: error: --device {device}: torch {torch.__version__} sees no GPU (a driver too old for CUDA "
+            "13.0, CUDA_VISIBLE_DEVICES, a container without GPUs?): make one visible, or pass --device cpu.\n")
+    monkeypatch.setattr(opsd.importlib.util, "find_spec", lambda name, *args: None)  # a node without wandb
+    assert error_of(base + ["--wandb-project", "p"], capsys) == (
+        "opsd.py: error: --wandb-project needs wandb: pip install wandb.\n")
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_model_without_a_chat_template_is_one_sentence_before_it_loads(tiny_model_dir, base, tmp_path, capsys,
+                                                                         monkeypatch):
+    plain = tmp_path / "plain"
+    shutil.copytree(tiny_model_dir, plain)
+    for path in plain.iterdir():  # the template, wherever transformers saved it
+        if path.name == "chat_template.jinja":
+            path.unlink()
+    config = plain / "tokenizer_config.json"
+    config.write_text(json.dumps({k: v for k, v in json.loads(config.read_text()).items() if k != "chat_template"}))
+    monkeypatch.setattr(opsd, "load_model", lambda *_: pytest.fail("a model loaded before the refusal"))
+    assert error_of(base + ["--model", str(plain)], capsys) == (
+        f"opsd.py: error: --model {plain} has no chat template (its tokenizer sets none): use a chat or instruct "
+        "model, or give its directory a chat_template.jinja.\n")
+
+
+def test_enforce_eager_reaches_vllms_engine_on_a_gpu(monkeypatch):
+    """No CUDA engine can start here: the arguments opsd.py gives vLLM's LLM are recorded. On a CPU the engine is
+    always eager (CPU_ENGINE)."""
+    import vllm
+    given = []
+    monkeypatch.setattr(vllm, "LLM", lambda **kwargs: given.append(kwargs))
+    for flag, eager in (("--enforce-eager", True), ("--no-enforce-eager", False)):
+        opsd.start_engine(opsd.parse_args([flag]), torch.device("cuda", 0))
+        assert given[-1]["enforce_eager"] is eager and given[-1]["gpu_memory_utilization"] == 0.3
+    opsd.start_engine(opsd.parse_args(["--no-enforce-eager"]), torch.device("cpu"))
+    assert given[-1]["enforce_eager"] is True

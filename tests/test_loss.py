@@ -226,6 +226,7 @@ def test_negative_loss_terms_are_counted_where_the_entry_clip_makes_them():
         k = reference_divergence(s_logits, t_logits, 0.0, T, clip, tau) * (torch.arange(15) != 3)
         assert ((k + 1e-6).abs() > 1e-7).all()  # no term at the threshold: the count is exact on any CPU
         torch.testing.assert_close(stats.negative.double(), (k < -1e-6).double())
+        assert stats.in_loss.tolist() == [1.0] * 3 + [0.0] + [1.0] * 11  # loss_frac_negative's positions
         if clip == "entry":
             assert 0 < stats.negative.sum() < 14, k  # some terms below 0, not all
         else:

@@ -6,12 +6,18 @@ per-rank log files. On one node torchrun ends the other ranks (SIGTERM) within a
 group exists, is found when the others have waited --collective-timeout. A kill -9 of rank 1, a resume after it,
 Ctrl-C and two nodes computing one node's run are in test_train.py."""
 
+import json
 import os
 import signal
 import subprocess
 import sys
 import time
+from datetime import timedelta
 from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
 
 from conftest import launch_two_nodes, rank_stderr, said, stop_nodes
 
@@ -136,53 +142,159 @@ def test_a_rank_that_hangs_on_another_node_ends_the_run_at_the_collective_timeou
     assert "rank 0: error at step 3 of 5" in root_cause(torchrun0) and "Timed out" in root_cause(torchrun0)
 
 
-def test_a_rank_that_dies_before_the_process_group_exists_ends_the_other_node_at_the_collective_timeout(
-        tiny_model_dir, tmp_path):
-    """Two nodes: node 1's rank refuses before the process group exists (as a CPU build of torch on a GPU node does);
-    node 0's rank waits in the group's start, gloo's connect, until --collective-timeout (0.1 minutes), then ends in
-    one line. On GPUs that connect comes first too (the next test), before NCCL's, which would wait forever."""
+# where rank 1 stalls (tests/fault_launch.py), the phase, --collective-timeout (minutes: above what the phases before
+# it take here, with two nodes on two cores), and what rank 0 says: a rank missing from an agreement is named; a phase
+# whose own collectives wait for the stalled rank (the connect, vLLM's start) ends at the same bound
+STALLS = [
+    ("start", "the start", 0.1, "opsd.py: error: rank 1 did not reach the start within 0.1 minutes"),
+    ("connect", "the process group's start", 0.1,
+     "opsd.py: rank 0: the process group's start did not end within 0.1 minutes"),
+    ("load", "the model's load", 0.2, "opsd.py: error: rank 1 did not reach the model's load within 0.2 minutes"),
+    ("engine", "vLLM's start", 0.2, "opsd.py: rank 0: vLLM's start did not end within 0.2 minutes"),
+]
+
+
+@pytest.mark.parametrize("stall, phase, minutes, rank_0_says", STALLS, ids=[s[0] for s in STALLS])
+def test_a_rank_stalled_before_the_first_step_ends_every_node_within_the_bound(stall, phase, minutes, rank_0_says,
+                                                                               tiny_model_dir, tmp_path):
+    """Two nodes (two torchrun agents, one rank each); rank 1 sleeps where a real call would block (a hub or a network
+    filesystem that stalls, NCCL's connect, vLLM's NCCL splits). No torchrun learns of it, so each node must end by
+    itself: rank 1 at its time limit, with its line and where it waited; rank 0 at its own, or at its wait's."""
     logs = tmp_path / "logs"
-    script = [str(ROOT / "tests" / "fault_launch.py"), *flags(tiny_model_dir, tmp_path / "out", "--collective-timeout",
-                                                               "0.1")]
-    node0, node1 = launch_two_nodes(script, logs, env={"FAULT": "early"})
+    script = [str(ROOT / "tests" / "fault_launch.py"),
+              *flags(tiny_model_dir, tmp_path / "out", "--collective-timeout", str(minutes))]
+    nodes = launch_two_nodes(script, logs, env={"FAULT": f"stall:{stall}"})
+    reports = []
+    ends = []
     try:
-        _, report0 = node0.communicate(timeout=120)
-        end = time.time()
-        _, report1 = node1.communicate(timeout=120)
+        for node in nodes:
+            reports.append(node.communicate(timeout=300)[1])
+            ends.append(time.time())
     finally:
-        stop_nodes((node0, node1))
-    fault_at, _ = fault_time(rank_stderr(logs, 1))
-    assert node0.returncode != 0 and end - fault_at < 6 + BOUND_S, end - fault_at  # the timeout, then the exits
-    assert said(rank_stderr(logs, 1), "opsd.py: error: a test's refusal before the process group exists") == 1
+        stop_nodes(nodes)
     rank0 = rank_stderr(logs, 0)
-    assert said(rank0, "opsd.py: rank 0: error before the first step (the last checkpoint is None):") == 1, rank0
-    assert "wait timeout after 6000ms" in rank0 and "wait timeout after 6000ms" in root_cause(report0)
+    rank1 = rank_stderr(logs, 1)
+    fault_at, _ = fault_time(rank1)
+    assert all(node.returncode != 0 for node in nodes)
+    assert [end - fault_at < minutes * 60 + BOUND_S for end in ends] == [True, True], (ends, fault_at)
+    stuck = f"opsd.py: rank 1: {phase} did not end within {minutes:g} minutes (--collective-timeout)"
+    assert said(rank1, stuck) == 1 and "in stall" in rank1, rank1[-3000:]  # faulthandler's stack: where it waited
+    assert said(rank0, rank_0_says) == 1 and said(rank0, "opsd.py: ") == 1, rank0[-3000:]
+    assert stuck in root_cause(reports[1]) and rank_0_says.split("opsd.py: ")[1] in root_cause(reports[0])
+
+
+@pytest.mark.parametrize("fault, extra, sentence", [
+    ("no-cuda", ["--device", "auto"], f"rank 1: --device auto: torch {torch.__version__} sees no GPU (a driver too old "
+                                      "for CUDA 13.0, CUDA_VISIBLE_DEVICES, a container without GPUs?): make one "
+                                      "visible, or pass --device cpu."),
+    ("no-wandb", ["--wandb-project", "p"], "rank 1: --wandb-project needs wandb: pip install wandb.")])
+def test_a_node_refused_before_the_process_group_exists_ends_every_node_at_once(fault, extra, sentence, tiny_model_dir,
+                                                                                tmp_path):
+    """Two nodes: node 1's torch is a CUDA build that sees no GPU, or it lacks wandb. Its refusal comes before the
+    process group exists, through torchrun's store: both nodes say it at once (the timeout, 5 minutes, is not
+    waited)."""
+    logs = tmp_path / "logs"
+    script = [str(ROOT / "tests" / "fault_launch.py"),
+              *flags(tiny_model_dir, tmp_path / "out", "--collective-timeout", "5", *extra)]
+    nodes = launch_two_nodes(script, logs, env={"FAULT": fault})
+    try:
+        reports = [node.communicate(timeout=120)[1] for node in nodes]
+        end = time.time()
+    finally:
+        stop_nodes(nodes)
+    fault_at, _ = fault_time(rank_stderr(logs, 1))
+    assert end - fault_at < BOUND_S, end - fault_at
+    for node, report in enumerate(reports):
+        ours = rank_stderr(logs, node)
+        assert said(ours, f"opsd.py: error: {sentence}") == 1 and said(ours, "opsd.py: ") == 1, ours[-2000:]
+        assert f"traceback : opsd.py: error: {sentence}" in root_cause(report), report[-2000:]
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_phase_over_its_time_limit_ends_the_rank_with_its_line_and_where_it_waited(tmp_path):
+    """A healthy phase cancels its limit (the rank lives on past it); one that stalls ends the rank at its limit, with
+    one line and every thread's stack; during a phase, torchrun's report holds what to say should the rank end there
+    (faulthandler's own exit, or torchrun's kill), and nothing after it."""
+    error_file = tmp_path / "error.json"
+    code = ("import json, time, opsd\n"
+            "with opsd.time_limit('a healthy phase', 0.02):\n"
+            "    print(json.loads(open(%r).read())['message'], flush=True)\n"
+            "time.sleep(2)\n"
+            "import os; print(os.path.exists(%r), flush=True)\n"
+            "with opsd.time_limit('a stalled phase', 0.02):\n"
+            "    time.sleep(60)\n" % (str(error_file), str(error_file)))
+    start = time.time()
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "TORCHELASTIC_ERROR_FILE": str(error_file)})
+    elapsed = time.time() - start
+    assert proc.returncode == 1 and elapsed < 30, (elapsed, proc.stderr[-2000:])
+    assert proc.stdout.splitlines() == [
+        "opsd.py: rank 0: ended during a healthy phase (its limit: 0.02 minutes, --collective-timeout)", "False"]
+    line = "opsd.py: rank 0: a stalled phase did not end within 0.02 minutes (--collective-timeout)"
+    assert proc.stderr.startswith(line) and 'File "<string>", line 7 in <module>' in proc.stderr, proc.stderr
+    assert json.loads(error_file.read_text())["message"].startswith(line)
+
+
+def test_an_agreement_names_a_rank_that_did_not_come_and_passes_on_a_failure(monkeypatch):
+    """Through a real store, as rank 0 of three: its key for the n-th agreement is opsd/<restart>/<n>/<rank>."""
+    store = dist.TCPStore("127.0.0.1", 0, 1, True, timeout=timedelta(seconds=30))
+    monkeypatch.setattr(opsd, "STORE", store)
+    monkeypatch.setattr(opsd, "WORLD_SIZE", 3)
+    monkeypatch.setattr(opsd, "AGREEMENTS", [])
+    store.set("opsd/0/1/2", "")  # rank 2 agrees; rank 1 never comes
+    start = time.time()
+    with pytest.raises(opsd.Refusal) as refusal:
+        with opsd.ranks_agree("a test's phase", 0.02):
+            pass
+    assert 1.2 <= time.time() - start < 10
+    assert str(refusal.value) == ("rank 1 did not reach a test's phase within 0.02 minutes (--collective-timeout): "
+                                  "the log of its node says where it stopped.")
+    store.set("opsd/0/2/1", "a test's refusal")  # the second agreement: rank 1 refuses, rank 2 agrees
+    store.set("opsd/0/2/2", "")
+    with pytest.raises(opsd.Refusal) as refusal:
+        with opsd.ranks_agree("a test's phase", 0.02):
+            pass
+    assert str(refusal.value) == "rank 1: a test's refusal"
+    with pytest.raises(OSError):  # the third: this rank fails, and says so for the others, who need not wait
+        with opsd.ranks_agree("a test's phase", 0.02):
+            raise OSError("a test's failure")
+    assert store.get("opsd/0/3/0").decode() == "a test's phase failed (OSError): the log of its node says why."
 
 
 def test_on_gpus_the_process_group_connects_gloo_first_and_makes_nccls_communicator_at_once(monkeypatch):
     """Read from torch's source (distributed_c10d.py, _new_process_group_helper): for "cpu:gloo,cuda:nccl" the gloo
-    backend is made first, its connect bound by the timeout (the test above); then, with device_id, NCCL's
-    communicator, while every rank is there, so each later collective is bound by the timeout too. No GPU here:
-    CUDA's three calls are stood in for, and the call opsd.py makes is recorded."""
-    import datetime
+    backend is made first, its connect bound by the timeout; then, with device_id, NCCL's communicator, while every
+    rank is there (its connect bound by the caller's time limit only), so each later collective is bound by the
+    timeout too. No GPU here: CUDA's calls are stood in for, and the calls opsd.py makes are recorded."""
     calls = []
+    store = object()
     monkeypatch.setattr(opsd, "WORLD_SIZE", 2)
+    monkeypatch.setattr(opsd, "RANK", 1)
     monkeypatch.setattr(opsd, "LOCAL_RANK", 1)
+    monkeypatch.setattr(opsd, "STORE", store)
     monkeypatch.setattr(opsd.torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(opsd.torch.cuda, "device_count", lambda: 2)
     monkeypatch.setattr(opsd.torch.cuda, "set_device", lambda device: calls.append(("set_device", device)))
     monkeypatch.setattr(opsd.dist, "init_process_group", lambda *a, **kw: calls.append((a, kw)))
     for name in opsd.PUSH_ENVIRONMENT:
         monkeypatch.delenv(name, raising=False)
-    device = opsd.init_distributed(opsd.parse_args(["--collective-timeout", "0.5"]))
+    args = opsd.parse_args(["--collective-timeout", "0.5"])
+    device = opsd.choose_device(args)
     assert device == opsd.torch.device("cuda", 1)
+    opsd.init_distributed(args, device)
     assert calls == [("set_device", device),
-                     (("cpu:gloo,cuda:nccl",), {"timeout": datetime.timedelta(seconds=30), "device_id": device})]
+                     (("cpu:gloo,cuda:nccl",), {"store": store, "rank": 1, "world_size": 2,
+                                                "timeout": timedelta(seconds=30), "device_id": device})]
+    monkeypatch.setattr(opsd.torch.cuda, "device_count", lambda: 1)  # two ranks on a node that sees one GPU
+    with pytest.raises(opsd.Refusal, match="this node sees 1 GPUs, fewer than its ranks"):
+        opsd.choose_device(args)
 
 
 def test_a_slow_final_save_on_rank_0_does_not_fail_a_finished_run(tiny_model_dir, tmp_path):
     """Rank 0 writes final/ (and finishes wandb) while the other ranks end: none waits for it in a collective,
-    which --collective-timeout (here 3 s) would end. Rank 0's final save takes 5 s more here."""
+    which --collective-timeout (here 12 s, above what each start-up phase takes here) would end. Rank 0's final save
+    takes 15 s more here."""
     code, torchrun, ranks, _ = launch(tiny_model_dir, tmp_path, "slow-final", "--max-steps", "1",
-                                      "--collective-timeout", "0.05")
+                                      "--collective-timeout", "0.2")
     assert code == 0, (torchrun[-2000:], ranks.get(0, "")[-2000:], ranks.get(1, "")[-2000:])
     assert "slow final save" in ranks[0] and (tmp_path / "out" / "final" / "adapter_model.safetensors").exists()

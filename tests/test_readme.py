@@ -53,23 +53,68 @@ def test_the_reading_guide_names_functions_of_part_1_in_the_order_they_come():
     assert all(line < part_2 for line in lines[:-1])  # the method's four, in Part 1
 
 
-# What a reader pays for (no line budget: one rewards packing). The anchors, measured on non-blank lines: nanoGPT's
-# train.py 47.0 characters a line, 3% over 100; nanochat's chat_rl.py 55.9, 11%.
-MEAN_LINE = 58
-SHARE_OVER_100 = 0.10
-CHARACTERS = 62_000  # a ceiling: the file may shrink, not grow
+# What a reader pays for. Code, not words: comments and docstrings are judged by readers, so the ceiling counts
+# characters of code only (no line budget: one rewards packing). The mean line is over every non-blank line,
+# comments included, because that is how the anchors were measured: nanoGPT's train.py 47.0 characters a line,
+# nanochat's chat_rl.py 55.9.
+# The target was 45,000; the start-up's bounds (agreements through torchrun's store, a time limit on each phase,
+# the refusals a node makes before the process group) took the code to 48,565, and no guard is traded for characters.
+CODE_CHARACTERS = 48_600  # a ceiling: the code may shrink, not grow
+MEAN_LINE = 56
+
+
+def code_characters(source):
+    """Characters of the source's code lines, each stripped of its indentation, without comments or docstrings."""
+    import ast
+    import io
+    import tokenize
+
+    lines = [list(line) for line in source.splitlines()]
+    spans = []  # ((row, column), (row, column)) of each comment and docstring, rows from 1
+    for token in tokenize.generate_tokens(io.StringIO(source).readline):
+        if token.type == tokenize.COMMENT:
+            spans.append((token.start, token.end))
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, (ast.Module, ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            first = node.body[0]
+            constant = isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant)
+            if constant and isinstance(first.value.value, str):
+                spans.append(((first.lineno, first.col_offset), (first.end_lineno, first.end_col_offset)))
+    for (row, column), (end_row, end_column) in spans:
+        for r in range(row, end_row + 1):
+            start = 0
+            if r == row:
+                start = column
+            end = len(lines[r - 1])
+            if r == end_row:
+                end = end_column
+            lines[r - 1][start:end] = " " * (end - start)
+    return sum(len("".join(line).strip()) for line in lines)
+
+
+def test_code_characters_counts_code_alone():
+    source = (
+        '"""A module docstring."""\n'
+        "\n"
+        "def f(x):  # a comment\n"
+        '    """A docstring\n'
+        '    over two lines."""\n'
+        "    # a comment line\n"
+        '    return "# not a comment" + x\n')
+    # by hand: "def f(x):" is 9 characters, 'return "# not a comment" + x' 28
+    assert code_characters(source) == 9 + 28
 
 
 def test_opsd_reads_method_first_in_plain_lines():
     import ast
 
     source = (ROOT / "opsd.py").read_text()
+    assert code_characters(source) <= CODE_CHARACTERS, code_characters(source)
     lines = [line for line in source.splitlines() if line.strip()]
-    characters = sum(map(len, lines))
-    assert characters <= CHARACTERS and characters / len(lines) <= MEAN_LINE, (characters, len(lines))
-    assert sum(len(line) > 100 for line in lines) <= SHARE_OVER_100 * len(lines)
-    for name in ("opsd.py", "eval.py"):
-        assert max(map(len, (ROOT / name).read_text().splitlines())) <= 120, name
+    assert sum(map(len, lines)) / len(lines) <= MEAN_LINE, (sum(map(len, lines)), len(lines))
+    over = [number for number, line in enumerate(source.splitlines(), 1) if len(line) > 100]
+    assert not over, f"opsd.py: lines over 100 columns: {over}"
+    assert max(map(len, (ROOT / "eval.py").read_text().splitlines())) <= 120
     tree = ast.parse(source)
     # before Part 1 only the helpers the method calls: print on rank 0, a refusal, a sum over ranks
     part_1 = source[:source.index("# PART 1: THE METHOD")].count("\n") + 1

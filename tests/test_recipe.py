@@ -114,21 +114,23 @@ def test_skip_first_tokens_is_the_loss_restricted_by_hand(tiny_model_dir):
     assert sums["tokens"] == len(stats.kl) and sums["kl"] == pytest.approx(float(stats.kl.sum()), rel=1e-6)
     for key in ("student_entropy", "teacher_entropy", "negative"):
         assert sums[key] == pytest.approx(float(getattr(stats, key).sum()), rel=1e-6), key
+    assert sums["loss_tokens"] == 3 + 0 + 6  # the positions in the loss: lengths 5, 2, 8 less the 2 skipped
     unskipped, _ = opsd.backward_step(*lora_model(tiny_model_dir)[:2], STUDENT, TEACHER, COMPLETIONS, pad_id=0,
                                       micro_batch_size=2, teacher="base", **kw)
     assert abs(unskipped - loss) > 1e-4  # the skip changed something
 
 
 def test_the_kl_window_averages_each_diagnostic_per_answer_token():
-    """Two steps of per-step sums, by hand: a window of 10 tokens holds the newest step alone, one of 15 both."""
+    """Two steps of per-step sums, by hand: a window of 10 tokens holds the newest step alone, one of 15 both. Each
+    answer's first position is out of the loss (5 answers), so the negative terms' share is of 15 - 5 positions."""
     older = {"tokens": 5, "kl": 1.0, "above_tau": 1, "clipped_mass": 0.5, "first_kl": 0.4, "first_tokens": 2,
-             "student_entropy": 4.0, "teacher_entropy": 6.0, "negative": 1}
+             "student_entropy": 4.0, "teacher_entropy": 6.0, "negative": 1, "loss_tokens": 3}
     newer = {"tokens": 10, "kl": 1.0, "above_tau": 4, "clipped_mass": 2.0, "first_kl": 0.9, "first_tokens": 3,
-             "student_entropy": 5.0, "teacher_entropy": 3.0, "negative": 0}
+             "student_entropy": 5.0, "teacher_entropy": 3.0, "negative": 0, "loss_tokens": 7}
     both = opsd.kl_window_means(deque([older, newer]), 15)
     assert both == {"kl_mean": 2 / 15, "kl_frac_above_tau": 5 / 15, "kl_clipped_teacher_mass": 2.5 / 15,
                     "kl_first_token": 1.3 / 5, "entropy_student": 9 / 15, "entropy_teacher": 9 / 15,
-                    "loss_frac_negative": 1 / 15, "kl_window_tokens": 15}
+                    "loss_frac_negative": 1 / 10, "kl_window_tokens": 15}
     window = deque([older, newer])
     assert opsd.kl_window_means(window, 10)["entropy_teacher"] == 0.3 and list(window) == [newer]
 

@@ -176,7 +176,7 @@ def test_every_step_of_the_run_matches_the_float64_oracle(oracle_run, checked):
     # shows the entry clip's negative terms counted where teacher and student are close)
     assert sum(r.negative_terms for r in results.values()) == 0
     # the dump's learning rates (run_check's AdamW takes them as logged) are opsd.py's schedule: linear warmup, then
-    # cosine to 0 at the last step
+    # a cosine towards 0, which only a step past the last would reach
     for step, record in enumerate(records):
         w = flags["warmup_steps"]
         lr = flags["lr"] * ((step + 1) / w if step < w else 0.5 * (1 + math.cos(math.pi * (step - w) / (STEPS - w))))

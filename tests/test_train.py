@@ -256,8 +256,6 @@ def test_output_dir_and_resume_refusals(tiny_model_dir, entry_run, tmp_path, cap
     finished, _ = entry_run
     unfinished = tmp_path / "unfinished"  # what a kill after checkpoint-4 leaves: no final/
     shutil.copytree(finished, unfinished, ignore=shutil.ignore_patterns("final"))
-    (tmp_path / "no-checkpoint").mkdir()
-    (tmp_path / "no-checkpoint" / "args.json").write_text((finished / "args.json").read_text())
     older = tmp_path / "older"  # a run whose args.json does not record its contents
     shutil.copytree(unfinished, older)
     flags = json.loads((older / "args.json").read_text())
@@ -281,15 +279,14 @@ def test_output_dir_and_resume_refusals(tiny_model_dir, entry_run, tmp_path, cap
         (["--output-dir", str(finished), "--resume", *same], f"the run in {finished} has finished"),
         (["--output-dir", str(unfinished), "--resume", *same, "--max-steps", "200", "--lr", "1e-4", "--clip", "token"],
          f"--resume with other --clip, --max-steps, --lr than the run in {unfinished} would change its results"),
-        (["--output-dir", str(tmp_path / "no-checkpoint"), "--resume", *same], "holds no checkpoint yet"),
-        (["--output-dir", str(tmp_path / "empty"), "--resume", *same], "holds no run (no args.json)"),
+        (["--output-dir", str(tmp_path / "empty"), "--resume", *same], "holds no run to resume (no args.json): drop --resume"),
         (["--output-dir", str(older), "--resume", *same], f"--resume with other prompts, model files, device type than "
                                                           f"the run in {older}"),
         (["--output-dir", str(other), "--resume", *same], f"--resume with other prompts, device type than the run in "
                                                           f"{other} would change its results"),
         (["--output-dir", str(cut), "--resume", *same], f"--resume: {state} does not load (PytorchStreamReader failed "
-         f"reading zip archive: failed finding central directory): move checkpoint-4 aside to resume from the one "
-         "before."),
+         f"reading zip archive: failed finding central directory): rename checkpoint-4 to bad-checkpoint-4 to resume "
+         "from the one before."),
     ]
     base = ["--model", tiny_model_dir, "--dataset", str(DATA), "--device", "cpu"]
     monkeypatch.setattr(opsd, "load_model", lambda *_: pytest.fail("a model loaded before the refusal"))
@@ -356,6 +353,52 @@ def test_ctrl_c_stops_every_rank_in_one_line_with_the_command_that_resumes(tiny_
     resume = cmd[:cmd.index(str(ROOT / "opsd.py")) + 1] + command.split(" opsd.py ", 1)[1].split()
     # the printed command is the run's own, continued: the kill test shows that it resumes to the uninterrupted run
     assert resume == cmd + ["--resume"]
+
+
+def test_interrupted_before_any_checkpoint_it_says_so_and_its_command_starts_the_run_again(entry_run, tiny_model_dir,
+                                                                                          tmp_path):
+    """Ctrl-C after step 1, before checkpoint-2: nothing to resume, and the command it prints (the run's own, with
+    --resume) starts the run again, which ends on the uninterrupted run's records and adapter."""
+    reference, _ = entry_run
+    out = tmp_path / "run"
+    cmd = opsd_command(tiny_model_dir, out, "--clip", "entry", "--max-steps", "5", "--save-every", "2")
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 300
+    while not (out / "metrics.jsonl").exists() or not (out / "metrics.jsonl").read_text():
+        assert proc.poll() is None and time.time() < deadline, "the run ended before its first step"
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGINT)
+    _, stderr = proc.communicate(timeout=120)
+    assert not opsd.checkpoints(out), "the signal came too late to test anything"
+    lines = [line for line in stderr.splitlines() if line.startswith("opsd.py: interrupted at step ")]
+    assert len(lines) == 1 and ", before any checkpoint: nothing to resume; to start again: " in lines[0], stderr
+    command = lines[0].split("to start again: ", 1)[1]
+    again = cmd[:cmd.index(str(ROOT / "opsd.py")) + 1] + command.split(" opsd.py ", 1)[1].split()
+    assert again == cmd + ["--resume"]
+    assert "holds no checkpoint yet: the run starts again at step 1" in run(again)
+    assert without_timings(metrics(out)) == without_timings(metrics(reference))
+    again_adapter = load_file(out / "final" / "adapter_model.safetensors")
+    uninterrupted = load_file(reference / "final" / "adapter_model.safetensors")
+    assert all(torch.equal(again_adapter[k], uninterrupted[k]) for k in uninterrupted)
+
+
+def test_only_a_directory_named_checkpoint_n_is_a_checkpoint(entry_run, tmp_path):
+    """The refusal of a checkpoint that does not load names a rename that works; so do the two renames a user
+    would try first: none of them is read as a checkpoint, and a resume takes the one before."""
+    finished, _ = entry_run
+    for name in ("bad-checkpoint-4", "checkpoint-4.bad", "checkpoint-4-bad"):
+        out = tmp_path / name
+        shutil.copytree(finished, out, ignore=shutil.ignore_patterns("final"))
+        (out / "checkpoint-4").rename(out / name)
+        assert opsd.latest_checkpoint(out) == out / "checkpoint-2"
+        assert [p.name for p in opsd.run_files(out)] == ["args.json", "metrics.jsonl", "rollouts.jsonl",
+                                                          "checkpoint-2"]
+    state = tmp_path / "cut" / "checkpoint-4" / "trainer_state.pt"
+    shutil.copytree(finished / "checkpoint-4", state.parent)
+    state.write_bytes(state.read_bytes()[:1000])
+    with pytest.raises(opsd.Refusal) as refusal:
+        opsd.check_checkpoint(state.parent)
+    assert str(refusal.value).endswith(": rename checkpoint-4 to bad-checkpoint-4 to resume from the one before.")
 
 
 def test_a_schedulers_sigterm_ends_every_rank_at_once_and_the_run_resumes_from_its_checkpoint(tiny_model_dir,
@@ -437,8 +480,8 @@ def test_resume_on_a_rank_that_does_not_see_the_run_is_refused_by_that_rank(entr
     elsewhere = tmp_path / "node-local"
     out, proc, ranks = resume_with_rank_1_in(elsewhere, entry_run, tiny_model_dir, tmp_path)
     assert proc.returncode != 0 and "Traceback" not in ranks[0] + ranks[1]
-    sentence = (f"opsd.py: error: rank 1: --resume: {elsewhere} holds no run (no args.json): every rank must see one "
-                "--output-dir.")
+    sentence = (f"opsd.py: error: rank 1: --resume: {elsewhere} holds no run to resume (no args.json): drop --resume "
+                "to start one; across nodes every rank must see one --output-dir.")
     assert said(ranks[0] + ranks[1], sentence) == 1, ranks  # said once on the node, and in torchrun's report
     assert sentence in proc.stderr.split("Root Cause (first observed failure):", 1)[1]
 

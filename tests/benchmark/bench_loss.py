@@ -33,10 +33,11 @@ from opsd import opsd_loss  # noqa: E402
 REUSED_STATS = opsd.divergence_stats
 
 
-def recomputed_stats(student_logits, log_s, log_t, targets, terms, *, tau):
+def recomputed_stats(student_logits, log_s, log_t, targets, terms, in_loss, *, tau):
     """The diagnostics computing both full-vocabulary log-softmaxes again, as opsd.py did before it passed the loss's
     own to them: the "recompute" variant's baseline (a log-softmax of a log-softmax is the same, at the same cost)."""
-    return REUSED_STATS(student_logits, log_s.log_softmax(-1), log_t.log_softmax(-1), targets, terms, tau=tau)
+    return REUSED_STATS(student_logits, log_s.log_softmax(-1), log_t.log_softmax(-1), targets, terms, in_loss,
+                        tau=tau)
 
 V, H, B, T_LEN = 151_936, 256, 2, 512
 TEMPERATURE, TAU = 1.1, 0.05

@@ -34,7 +34,8 @@ TEACHERS = ("base", "current", "ema")
 NORMALISATIONS = ("step", "answer", "micro-batch")
 # The figures a trainer may log per step, each the step's over every rank: loss and grad_norm (required), the
 # others checked when present. MEANS and SHARES are over every answer position of the step (the skipped ones too),
-# at the loss temperature, but kl_first_token, a mean over answers; answer_tokens is the positions' number.
+# at the loss temperature, but kl_first_token, a mean over answers, and loss_frac_negative, a share of the positions
+# in the loss; answer_tokens is the positions' number.
 MEANS = ("kl_mean", "kl_first_token", "kl_clipped_teacher_mass", "entropy_student", "entropy_teacher")
 SHARES = ("kl_frac_above_tau", "loss_frac_negative")
 FIGURES = ("loss", "grad_norm", *MEANS, *SHARES, "answer_tokens")
@@ -256,6 +257,7 @@ class StepResult(NamedTuple):
     rows_kl: list  # per row, rank 0's first: (L,) KL(p_T || p_S) at each position
     clipped_share: float  # the share of the kept positions the clip cut
     negative_terms: int  # kept positions with a loss term below NEGATIVE
+    kept_positions: int  # the positions in the loss
 
 
 def recompute_step(model, run, ranks, student, teacher):
@@ -316,10 +318,11 @@ def recompute_step(model, run, ranks, student, teacher):
     figures = {"loss": losses[norm], "grad_norm": norms[norm], "kl_mean": sums["kl"] / n,
                "kl_first_token": sums["first"] / max(answers, 1), "kl_clipped_teacher_mass": sums["mass"] / n,
                "entropy_student": sums["h_s"] / n, "entropy_teacher": sums["h_t"] / n,
-               "kl_frac_above_tau": sums["above"] / n, "loss_frac_negative": sums["negative"] / n,
+               "kl_frac_above_tau": sums["above"] / n,
+               "loss_frac_negative": sums["negative"] / max(kept_positions, 1),
                "answer_tokens": positions}
     return StepResult(figures, losses, grads, norms, rows_kl, sums["cut"] / max(kept_positions, 1),
-                      int(sums["negative"]))
+                      int(sums["negative"]), kept_positions)
 
 
 # -----------------------------------------------------------------------------
@@ -352,8 +355,11 @@ def compare_figures(step, got, result, run):
         if name == "answer_tokens":
             ok, lines = value == ref, [f"{value}, recomputed {ref}"]
         elif name in SHARES:
-            ok = abs(value - ref) <= SHARE_SLACK / tokens + 1e-12
-            lines = [f"{value:.6g}, recomputed {ref:.6g} ({(value - ref) * tokens:+.2f} positions of {tokens}; "
+            of = tokens  # the share's positions
+            if name == "loss_frac_negative":
+                of = max(result.kept_positions, 1)
+            ok = abs(value - ref) <= SHARE_SLACK / of + 1e-12
+            lines = [f"{value:.6g}, recomputed {ref:.6g} ({(value - ref) * of:+.2f} positions of {of}; "
                      f"tolerance {SHARE_SLACK})"]
         else:
             ok = close(value, ref, *TOL_FIGURE)
