@@ -143,7 +143,7 @@ def sample_seed(seed, benchmark, problem, sample):
 
 def start_engine(args):
     """The tokenizer, the vLLM engine, and the LoRARequest that applies --adapter to every sample
-    (None without one)."""
+    (None without one). A model without a chat template is refused before the engine starts."""
     from transformers import AutoConfig, AutoTokenizer
     try:  # a hub id without network: one sentence, not vLLM's traceback
         AutoConfig.from_pretrained(args.model)
@@ -151,6 +151,10 @@ def start_engine(args):
     except (OSError, ValueError) as e:
         fail(f"--model {args.model}: cannot load its config ({str(e).splitlines()[0]}); without "
              "network, pass a local model directory.")
+    try:
+        opsd.check_chat_template(tokenizer, args.model)
+    except opsd.Refusal as e:  # opsd.py's sentence
+        fail(str(e))
     from vllm import LLM
     from vllm.lora.request import LoRARequest
     from vllm.platforms import current_platform

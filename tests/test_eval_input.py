@@ -176,6 +176,28 @@ def test_mistyped_model_fails_in_one_sentence(tmp_path, model, monkeypatch):
                        "Qwen/Qwen3-1.7B.")
 
 
+def test_a_model_without_a_chat_template_is_refused_before_the_engine(tiny_model_dir, tmp_path):
+    import shutil
+
+    from transformers import AutoTokenizer
+
+    import opsd
+
+    model = tmp_path / "no-template"
+    shutil.copytree(tiny_model_dir, model)
+    (model / "chat_template.jinja").unlink(missing_ok=True)
+    config = json.loads((model / "tokenizer_config.json").read_text())
+    config.pop("chat_template", None)
+    (model / "tokenizer_config.json").write_text(json.dumps(config))
+    tokenizer = AutoTokenizer.from_pretrained(model)
+    assert tokenizer.chat_template is None
+    with pytest.raises(opsd.Refusal) as said:
+        opsd.check_chat_template(tokenizer, str(model))
+    message = refusal(["--data", f"tiny={DATA}"], tmp_path, model=str(model))
+    assert message == str(said.value)  # opsd.py's own sentence
+    assert not (tmp_path / "out" / "config.json").exists()  # written once the engine is up: it never was
+
+
 def test_a_bare_hub_id_is_a_hub_id():
     # opsd.py's rule: a name like gpt2 or Qwen3-1.7B is a hub id; paths look like paths
     assert not ev.local_path("gpt2") and not ev.local_path("Qwen/Qwen3-1.7B")
