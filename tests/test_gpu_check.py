@@ -806,6 +806,8 @@ def test_the_budget_prints_the_hours_of_the_recommended_command(capsys):
 
 
 def test_the_budget_prints_the_hours_of_an_evaluation(capsys, tmp_path):
+    import re
+
     configs = ROOT / "tests" / "gpu_check" / "configs"
     lines = budget_lines(capsys, ["--eval", "--config", str(configs / "Qwen3-1.7B.json")])
     text = "\n".join(lines)
@@ -822,7 +824,16 @@ def test_the_budget_prints_the_hours_of_an_evaluation(capsys, tmp_path):
                                   "--", "--data", f"tiny={data}", "--n", "3", "--tensor-parallel-size", "2"])
     text = "\n".join(lines)
     assert f"{rows} problems (tiny {rows}) x 3 samples = {3 * rows:,} answers" in text
-    assert "engines: 2 (--gpus / --tensor-parallel-size 2)" in text
+    assert "one engine over 2 GPU(s) (--tensor-parallel-size 2), as eval.py runs; 2 of --gpus 4 idle" in text
+    # eval.py runs one engine: on 4 GPUs without --tensor-parallel-size the hours are one GPU's, and
+    # the GPU-hours billed four times those
+    def hours(gpus):
+        lines = budget_lines(capsys, ["--eval", "--gpus", gpus, "--config", str(configs / "Qwen3-1.7B.json")])
+        line = next(line for line in lines if "one checkpoint:" in line)
+        return [float(x) for x in re.search(r"expected ([\d.]+) h .*, ([\d.]+) GPU-hours billed", line).groups()]
+
+    (h1, billed1), (h4, billed4) = hours("1"), hours("4")
+    assert h1 == h4 and billed1 == h1 and billed4 == pytest.approx(4 * h1, abs=0.025)  # each rounded to 0.01
     # eval.py --limit 2: two problems of each benchmark, as that run scores
     lines = budget_lines(capsys, ["--eval", "--config", str(configs / "Qwen3-1.7B.json"), "--", "--limit", "2"])
     assert "6 problems (aime24 2, aime25 2, hmmt25 2) x 12 samples = 72 answers" in "\n".join(lines)
@@ -833,8 +844,11 @@ def test_the_budget_prints_the_hours_of_an_evaluation(capsys, tmp_path):
     (["--gpus", "3"], "--prompts-per-step 32 must be divisible by --gpus x --micro-batch-size = 3 x 4."),
     (["--answer-tokens", "2000"], "--answer-tokens 2000 cannot exceed --max-new-tokens 1024."),
     (["--flops-utilisation", "0"], "argument --flops-utilisation: must be in (0, 1], got 0"),
-    (["--eval", "--gpus", "3", "--", "--tensor-parallel-size", "2"],
-     "--gpus 3 must be a multiple of --tensor-parallel-size 2."),
+    (["--eval", "--gpus", "1", "--", "--tensor-parallel-size", "2"],
+     "eval.py --tensor-parallel-size 2 needs 2 GPUs, but --gpus is 1."),
+    (["--eval", "--config", str(ROOT / "tests" / "gpu_check" / "configs" / "Qwen3-1.7B.json"), "--",
+      "--tensor-parallel-size", "3"],
+     "eval.py cannot split 16 attention heads over --tensor-parallel-size 3: vLLM needs a divisor of 16."),
     (["--eval", "--answer-tokens", "40000"], "--answer-tokens 40000 cannot exceed eval.py's --max-new-tokens 38912."),
 ])
 def test_the_budget_refuses_bad_input_in_one_sentence(capsys, argv, said):

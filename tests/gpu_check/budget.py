@@ -73,6 +73,9 @@ With --eval, eval.py's protocol: problems x --n samples x a mean answer of
 Decoding is bound by memory bandwidth: each answer token reads its sample's KV
 cache so far, and each decode step of an engine's batch reads the weights. The
 batch is vLLM's 1,024 sequences at most, or as many as its KV cache holds.
+eval.py runs one engine over --tensor-parallel-size GPUs (1 unless given):
+the other --gpus idle, billed all the same; a --tensor-parallel-size over
+--gpus, or one that does not divide the attention heads, is refused.
 """
 
 import argparse
@@ -465,7 +468,8 @@ def print_hours(what, lower, expected, own):
     full = (expected + start) / 3600
     print(f"  {what}: lower bound {lower / 3600:.2f} h (no start); "
           f"expected {full:.2f} h with {own.startup_minutes:g} min to start "
-          f"(--startup-minutes), {own.gpus * full:.2f} GPU-hours")
+          f"(--startup-minutes), {own.gpus * full:.2f} GPU-hours billed on "
+          f"--gpus {own.gpus}")
 
 
 def describe(name, done, gpus):
@@ -661,9 +665,11 @@ def main_eval(own, theirs):
     args = evaluation.parse_args(["--model", default_model,
                                   "--output-dir", "-", *theirs])
     tp = args.tensor_parallel_size
-    if own.gpus % tp:
-        refuse(f"--gpus {own.gpus} must be a multiple of "
-               f"--tensor-parallel-size {tp}.")
+    # eval.py runs one engine over --tensor-parallel-size GPUs; the rest
+    # of the machine's --gpus are billed, idle
+    if tp > own.gpus:
+        refuse(f"eval.py --tensor-parallel-size {tp} needs {tp} GPUs, "
+               f"but --gpus is {own.gpus}.")
     answer = own.answer_tokens or EVAL_ANSWER_TOKENS
     if answer > args.max_new_tokens:
         refuse(f"--answer-tokens {answer} cannot exceed eval.py's "
@@ -672,6 +678,11 @@ def main_eval(own, theirs):
     if problems is None:
         problems, said = count_problems(evaluation, args)
     config = read_config(own.config or args.model)
+    heads = config.num_attention_heads
+    if heads % tp:
+        refuse(f"eval.py cannot split {heads} attention heads over "
+               f"--tensor-parallel-size {tp}: vLLM needs a divisor of "
+               f"{heads}.")
     parameters, lora = count_parameters(config, opsd.parse_args([]))
     b = 2
     if args.dtype in ("float32", "float"):
@@ -680,7 +691,7 @@ def main_eval(own, theirs):
     share = args.gpu_memory_utilization or VLLM_MEMORY
     samples = problems * args.n
     kw = dict(problems=problems, samples=samples, prompt=own.prompt_tokens,
-              gpus=own.gpus, tensor_parallel=tp,
+              gpus=tp, tensor_parallel=tp,
               memory=share * own.gpu_gib * GIB)
     done, at_once, holds = eval_work(config, parameters, b, answer=answer,
                                      **kw)
@@ -701,8 +712,9 @@ def main_eval(own, theirs):
           "cache read as if all were that long")
     print(f"  assumed: prompts of {own.prompt_tokens:,} tokens "
           f"(--prompt-tokens)")
-    print(f"  engines: {own.gpus // tp} (--gpus / --tensor-parallel-size "
-          f"{tp}), the answers split evenly")
+    print(f"  one engine over {tp} GPU(s) (--tensor-parallel-size {tp}), "
+          f"as eval.py runs; {own.gpus - tp} of --gpus {own.gpus} idle, "
+          "and billed below")
     print(f"  an engine's KV cache: {holds:,} tokens of "
           f"{kv_bytes(config, b) / 1024:g} KiB ({share:g} x "
           f"{own.gpu_gib:g} GiB a GPU,")
