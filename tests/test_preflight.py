@@ -78,6 +78,22 @@ def test_the_tiny_model_passes_and_its_figures_are_the_tokenizers(tiny_model_dir
     assert "GiB of 80 GiB per GPU" in out and "run of 100 steps: lower bound" in out
     assert out.rstrip().endswith("preflight: the run can start on 2 x H100 SXM 80 GB.")
     assert opsd.WORLD_SIZE == world_size  # the rank count it set for opsd.parse_args is put back
+    # 100 steps (the default) x 8 prompts over the kept rows: warned past 3 passes
+    passes = 100 * 8 / len(kept)
+    assert f"100 steps x 8 prompts = {passes:.2f} passes over the kept rows" in out
+    assert ("warning: the run trains on each kept row about" in out) == (passes > 3)
+    if passes > 3:
+        assert f"about {passes:.0f} times (more than 3)" in out
+    assert "hub:" not in out  # a local model and file: no hub needed
+
+
+def test_a_hub_id_is_said_to_need_the_hub_and_the_offline_way(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))  # an empty cache
+    code, out, err = run(["--", "--model", "nobody/no-such-model", "--dataset", str(DATA)], capsys)
+    assert ("hub: --model nobody/no-such-model read from the Hugging Face hub, or its cache; offline, pass a "
+            "local model directory (--model DIR) and data file (--dataset FILE)") in out
+    assert code == 2 and len(err) == 1
 
 
 @pytest.mark.parametrize("flags, sentence", [

@@ -1,5 +1,7 @@
 """Before renting GPUs: would this opsd.py run start, and what will it cost? On your own CPU, with the
-model's config and tokenizer only (no weights, no GPU).
+model's config and tokenizer only (no weights, no GPU). A hub id (--model, --dataset) is read from the
+hub or its cache; offline, pass a local model directory and data file (budget.py --config reads a
+config.json alone).
 
     python tests/gpu_check/preflight.py --gpu h100 --gpus 4 -- --model Qwen/Qwen3-1.7B --lora-r 64
 
@@ -47,6 +49,9 @@ from eval import use_cache_if_hub_silent  # noqa: E402
 import opsd  # noqa: E402
 
 LOGIT_FIELDS = ("final_logit_softcapping", "logit_scale", "logits_scaling")  # as opsd.check_model
+# More passes over the kept rows than this, and the student is trained on the same problems again and
+# again: a warning
+PASSES_WARNED = 3
 
 
 def refuse(message):
@@ -201,6 +206,10 @@ def check_data(args):
         passes = args.max_steps * args.prompts_per_step / len(kept)
         print(f"  {args.max_steps} steps x {args.prompts_per_step} prompts = {passes:.2f} passes over the "
               "kept rows")
+        if passes > PASSES_WARNED:
+            print(f"warning: the run trains on each kept row about {passes:.0f} times (more than "
+                  f"{PASSES_WARNED}): a few rows repeated are learnt by heart; give --dataset more rows, "
+                  "or lower --max-steps or --prompts-per-step.")
     print("chat template (enable_thinking):")
     check_thinking(args, tokenizer, rows)
     show(f"first student prompt (row 1, --student-prompt {args.student_prompt})", tokenizer, student[0])
@@ -237,8 +246,12 @@ def preflight(own, flags):
         args = opsd.parse_args(flags)
     except opsd.Refusal as e:
         return [str(e)]
-    if "huggingface_hub" not in sys.modules and not all(Path(x).expanduser().exists()
-                                                        for x in (args.model, args.dataset)):
+    hub = [f"{flag} {value}" for flag, value in (("--model", args.model), ("--dataset", args.dataset))
+           if not Path(value).expanduser().exists()]
+    if hub:
+        print(f"hub: {' and '.join(hub)} read from the Hugging Face hub, or its cache; offline, pass a "
+              "local model directory (--model DIR) and data file (--dataset FILE)")
+    if "huggingface_hub" not in sys.modules and hub:
         use_cache_if_hub_silent()  # a hub id: its files, or the cache's
     per_rank = args.prompts_per_step // own.gpus
     print(f"flags: opsd.py's checks pass on {own.gpus} ranks: --prompts-per-step {args.prompts_per_step} = "
