@@ -3,6 +3,8 @@
 
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -221,7 +223,7 @@ def test_the_readme_times_are_budget_py_s_for_the_commands_it_shows():
         return float(hours), gpu_hours
 
     # One GPU: the check (its own estimate), the 5-step try, the cost measured on two problems a benchmark
-    assert "# 5 minutes" in gpu and "Sized for about 5 minutes on one H200" in check
+    assert "# 5 minutes (its estimate, H100 or H200)" in gpu and "Sized for about 5 minutes on one H100 or H200" in check
     try_hours, _ = expected(budget("--gpus", "1", "--", *flags, "--max-steps", "5"), "run of 5 steps")
     assert f"--max-steps 5 --output-dir runs/try # {round(try_hours * 60)} minutes" in gpu
     out = budget("--gpus", "1", "--eval", "--", "--limit", "2")
@@ -230,8 +232,9 @@ def test_the_readme_times_are_budget_py_s_for_the_commands_it_shows():
     assert f"--limit 2 --output-dir runs/eval-base # {round(probe_hours * 60)} minutes" in gpu
     assert (f"its {round(probe_hours * 60)} minutes assume a 16,000-token mean; {round(longest_hours * 60)} if every "
             "answer reaches 38,912" in gpu)
-    stage = 5 + round(try_hours * 60) + round(probe_hours * 60)
-    assert f"One GPU, {stage} minutes" in gpu
+    # the three side by side, one GPU each: the longest of them
+    stage = max(5, round(try_hours * 60), round(probe_hours * 60))
+    assert f"side by side** (`CUDA_VISIBLE_DEVICES=0`, `1`, `2`), **{stage} minutes:**" in gpu
     # The check's step against the run's: rows x (prompt + answer) tokens
     import gpu_check
 
@@ -246,7 +249,9 @@ def test_the_readme_times_are_budget_py_s_for_the_commands_it_shows():
     # Four GPUs: the run, then each checkpoint's evaluation
     out = budget("--", *flags)
     total = re.search(r"total\s+([\d.]+) GiB", out).group(1)
-    assert f"{float(total):.1f} GiB of 80 per GPU" in gpu
+    import budget as budget_py
+
+    assert f"Training: {total} GiB of 80 per H100 (+ ~{budget_py.UNCOUNTED_GIB} of CUDA context)" in gpu
     hours, train_gpu_hours = expected(out, "run of 100 steps")
     assert f"about **{round(hours * 60)} minutes** ({train_gpu_hours} GPU-hours" in gpu
     assert f"The README's training time ({round(hours * 60)} minutes)" in check
@@ -256,10 +261,15 @@ def test_the_readme_times_are_budget_py_s_for_the_commands_it_shows():
     assert f"The README's {round(hours * 60)} minutes for one checkpoint" in check
     _, every = expected(out, "every answer at")
     assert f"{every} GPU-hours if every answer reaches 38,912" in gpu
-    # The day: one GPU's stage, the run, three evaluations (base, checkpoint-50, final)
+    # eval.py without --tensor-parallel-size: one engine on one GPU, the four billed
+    one_hours, one_billed = expected(budget("--eval"), "one checkpoint:")
+    assert float(one_billed) == pytest.approx(4 * one_hours, abs=0.025)  # each rounded to 0.01
+    assert f"without the flag one GPU works {one_hours:.2f} h, four billed ({one_billed} GPU-hours)" in gpu
+    # The day, billed on the four GPUs rented: the stage's minutes on all four, the run, three evaluations
+    # (base, checkpoint-50, final)
     evaluations = 3 * float(eval_gpu_hours)
-    day = stage / 60 + float(train_gpu_hours) + evaluations
-    assert f"The day: {day:.1f} GPU-hours, {evaluations:.2f} of them evaluation" in gpu
+    day = 4 * stage / 60 + float(train_gpu_hours) + evaluations
+    assert f"The day: {day:.1f} GPU-hours billed, {evaluations:.2f} of them evaluation" in gpu
 
 
 def test_the_readme_example_rows_are_a_dataset_opsd_reads(tmp_path):
@@ -286,10 +296,24 @@ def test_the_readme_gap_and_noise_figures_recompute():
     assert opsd.GAP_ALARM["bfloat16"] == 5e-2 and "the step line warns above 5e-2" in readme
     # standard error of avg@12 over 30 problems, each p_i (1 - p_i) 0.12: sqrt(sum / 12) / 30, in points
     stderr = 100 * math.sqrt(30 * 0.12 / 12) / 30
-    assert f"{stderr:.1f} if p_i (1 - p_i) averages 0.12" in readme
+    assert f"averaging 0.12): avg@12 over 30 problems, {stderr:.1f} points" in readme
+    # paired, two runs of one model: each d_i the difference of two independent shares of 12 samples,
+    # variance 2 x 0.12 / 12; over 30 problems a benchmark and 90 pooled; beyond noise past 2 of them
+    sd = math.sqrt(2 * 0.12 / 12)
+    one, pooled = 100 * sd / math.sqrt(30), 100 * sd / math.sqrt(90)
+    assert (f"sd(d_i) = sqrt(2 x 0.12 / 12), {one:.1f} points a benchmark (N = 30), {pooled:.1f} pooled (90); "
+            f"under {2 * one:.1f} and {2 * pooled:.1f} never beyond noise") in readme
     # two runs compared: eval.py --baseline's noise model, as the README states it
     import eval as ev
 
     assert "d_i = p_i here minus there" in readme and "d_i = this run's share correct on problem i minus" in ev.NOISE_MODEL
-    assert "sd(d_i) / sqrt(30)" in readme and "sd(d_i) / sqrt(N) over the N problems" in ev.NOISE_MODEL
+    assert "sd(d_i) / sqrt(N)" in readme and "sd(d_i) / sqrt(N) over the N problems" in ev.NOISE_MODEL
+    # and eval.py's rule calls a difference beyond noise just past 2 standard errors, not before: 30 problems
+    # at 5 of 10 correct, the baseline's shares 0.5 - d_i, d_i = m +- 0.1 (sd 0.1 sqrt(30 / 29))
+    error = 0.1 * math.sqrt(30 / 29) / math.sqrt(30)
+    samples = [{"benchmark": "b", "problem": i, "sample": j, "correct": j < 5} for i in range(30) for j in range(10)]
+    for m, beyond in ((2.01 * error, True), (1.99 * error, False)):
+        baseline = {("b", i): 0.5 - (m + (0.1 if i % 2 else -0.1)) for i in range(30)}
+        row = ev.compare(samples, baseline, 10)["b"]
+        assert row["standard_error"] == pytest.approx(error) and row["beyond_noise"] is beyond
     assert "beyond noise over 2 standard errors" in readme and "beyond noise when over 2 standard errors" in ev.NOISE_MODEL
