@@ -317,3 +317,32 @@ def test_the_readme_gap_and_noise_figures_recompute():
         row = ev.compare(samples, baseline, 10)["b"]
         assert row["standard_error"] == pytest.approx(error) and row["beyond_noise"] is beyond
     assert "beyond noise over 2 standard errors" in readme and "beyond noise when over 2 standard errors" in ev.NOISE_MODEL
+
+
+def test_the_gpu_check_readme_counts_its_step_once():
+    """The GPU check's step, in its README's two places, is budget.py's count of that step (gpu_check.SIZES'
+    full size on Qwen3-1.7B, as gpu_check.budget_time counts it), and the time row is two of them at the rates the
+    README assumes (100 TFLOP/s bf16, 50 float32)."""
+    import budget
+    import gpu_check
+
+    import opsd
+
+    check = " ".join((ROOT / "tests" / "gpu_check" / "README.md").read_text().split())
+    s = gpu_check.SIZES["full"]
+    config = budget.read_config(str(ROOT / "tests" / "gpu_check" / "configs" / "Qwen3-1.7B.json"))
+    flags = opsd.parse_args(["--lora-r", str(s["lora_r"]), "--lora-alpha", str(s["lora_alpha"])])
+    _, lora = budget.count_parameters(config, flags)
+    lengths = (s["prompt_tokens"], s["prompt_tokens"], s["completion_tokens"])
+    done = budget.total(budget.train_work(config, lora, 2, s["micro_batch"], lengths, lora_r=s["lora_r"],
+                                          teacher_lora=False, checkpointing=True, gpus=1).values())
+
+    def power_of_ten(x):
+        exponent = len(str(int(x))) - 1
+        return f"{x / 10 ** exponent:.1f} x 10^{exponent}"
+
+    bf16, fp32 = power_of_ten(done["flops"]), power_of_ten(done["float32_flops"])
+    assert f"{bf16} bf16 and {fp32} float32 FLOPs: 0.62 s" in check
+    seconds = 2 * (done["flops"] / 100e12 + done["float32_flops"] / 50e12)
+    assert f"| 2 steps of {bf16} bf16 and {fp32} float32 FLOPs (`budget_time`'s count above;" in check
+    assert f"| ~{round(seconds)} s |" in check
