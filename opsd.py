@@ -757,8 +757,9 @@ def parse_args(argv=None):
     once.add_argument("--overwrite", action="store_true", help="replace --output-dir's run")
     add("--device", "auto", "auto: CUDA when torch sees it; a CUDA build that sees none is "
         "refused", choices=["auto", "cpu", "cuda"])
-    add("--collective-timeout", 30.0, "minutes a rank waits for the others, and the longest "
-        "each start-up phase may take (connect, input checks, model load, vLLM's start)")
+    add("--collective-timeout", 30.0, "minutes a rank waits for the others, and the most each "
+        "start-up phase may take (connect, input checks, model load, vLLM's start: a healthy one "
+        "takes minutes)")
     add("--kl-window", 20_000, "answer tokens the logged means span")
     add("--log-rollouts-every", 10, "steps; rank 0's answers to rollouts.jsonl; 0: never")
     add("--wandb-project", None, "also log to wandb (pip install wandb)")

@@ -461,7 +461,10 @@ def test_training_chooses_the_attention_kernels_in_one_place_whatever_was_set_be
         for before in itertools.product([False, True], repeat=4):
             for name, on in zip(switches, before):
                 getattr(b, f"enable_{name}_sdp")(on)
-            opsd.init_distributed(opsd.parse_args(["--device", "cpu"])) if before == (False, False, False, True) else opsd.choose_attention_kernels()
+            if before == (False, False, False, True):
+                opsd.init_distributed(opsd.parse_args(["--device", "cpu"]), torch.device("cpu"))
+            else:
+                opsd.choose_attention_kernels()
             assert [getattr(b, f"{name}_sdp_enabled")() for name in switches] == [True, True, True, False], before
     finally:
         for name in switches:

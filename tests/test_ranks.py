@@ -2,9 +2,10 @@
 """When one rank of a torchrun job stops alone, it says why (after its rank), and no rank waits for it: 2-rank gloo
 runs on the CPU where one rank meets a fault (tests/fault_launch.py), each rank's output read from torchrun's
 per-rank log files. On one node torchrun ends the other ranks (SIGTERM) within a second of one failing; across nodes
-(two torchrun agents of one rank each) a refusal is said on both, and a rank that hangs, or dies before the process
-group exists, is found when the others have waited --collective-timeout. A kill -9 of rank 1, a resume after it,
-Ctrl-C and two nodes computing one node's run are in test_train.py."""
+(two torchrun agents of one rank each) a refusal is said on both, a node's refusal before the process group exists is
+said on both at once, a rank stalled in a start-up phase is ended by that phase's time limit and named by the others,
+and a rank that hangs in a step is found when the others have waited --collective-timeout. A kill -9 of rank 1, a
+resume after it, Ctrl-C and two nodes computing one node's run are in test_train.py."""
 
 import json
 import os

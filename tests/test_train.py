@@ -338,48 +338,47 @@ def test_run_record_follows_contents_not_names(tiny_model_dir, tmp_path):
     assert record(str(copy), prompts)["model_sha256"] == opsd.model_fingerprint(str(copy))
 
 
-def test_ctrl_c_stops_every_rank_in_one_line_with_the_command_that_resumes(tiny_model_dir, tmp_path):
-    # Ctrl-C reaches torchrun, which passes SIGINT on to every rank
-    out = tmp_path / "run"
-    cmd = opsd_command(tiny_model_dir, out, "--clip", "entry", "--max-steps", "5", "--save-every", "2")
-    stderr = signal_after_checkpoint_2(cmd, out, signal.SIGINT)
-    lines = [line for line in stderr.splitlines() if line.startswith("opsd.py: interrupted at step ")]
-    assert len(lines) == 1, stderr[-3000:]
-    assert f"the last checkpoint is {out / 'checkpoint-2'}" in lines[0] or "checkpoint-4" in lines[0]
-    assert "opsd.py\", line" not in stderr and "KeyboardInterrupt" not in stderr, stderr[-3000:]
-    command = lines[0].split("to resume: ", 1)[1]
-    assert command.startswith("torchrun --nproc_per_node 2 opsd.py ") and command.endswith(" --resume")
-    assert "--overwrite" not in command
-    resume = cmd[:cmd.index(str(ROOT / "opsd.py")) + 1] + command.split(" opsd.py ", 1)[1].split()
-    # the printed command is the run's own, continued: the kill test shows that it resumes to the uninterrupted run
-    assert resume == cmd + ["--resume"]
-
-
-def test_interrupted_before_any_checkpoint_it_says_so_and_its_command_starts_the_run_again(entry_run, tiny_model_dir,
-                                                                                          tmp_path):
-    """Ctrl-C after step 1, before checkpoint-2: nothing to resume, and the command it prints (the run's own, with
-    --resume) starts the run again, which ends on the uninterrupted run's records and adapter."""
-    reference, _ = entry_run
-    out = tmp_path / "run"
-    cmd = opsd_command(tiny_model_dir, out, "--clip", "entry", "--max-steps", "5", "--save-every", "2")
+def interrupt(cmd, ready):
+    """Run `cmd` (torchrun), press Ctrl-C once `ready()` holds (torchrun passes SIGINT on to every rank); the line
+    rank 0 says about it."""
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     deadline = time.time() + 300
-    while not (out / "metrics.jsonl").exists() or not (out / "metrics.jsonl").read_text():
-        assert proc.poll() is None and time.time() < deadline, "the run ended before its first step"
+    while not ready():
+        assert proc.poll() is None and time.time() < deadline, "the run ended before the interrupt"
         time.sleep(0.05)
     proc.send_signal(signal.SIGINT)
     _, stderr = proc.communicate(timeout=120)
-    assert not opsd.checkpoints(out), "the signal came too late to test anything"
+    assert proc.returncode != 0, "the interrupt came too late to test anything"
+    assert "opsd.py\", line" not in stderr and "KeyboardInterrupt" not in stderr, stderr[-3000:]
     lines = [line for line in stderr.splitlines() if line.startswith("opsd.py: interrupted at step ")]
-    assert len(lines) == 1 and ", before any checkpoint: nothing to resume; to start again: " in lines[0], stderr
-    command = lines[0].split("to start again: ", 1)[1]
-    again = cmd[:cmd.index(str(ROOT / "opsd.py")) + 1] + command.split(" opsd.py ", 1)[1].split()
+    assert len(lines) == 1, stderr[-3000:]
+    return lines[0]
+
+
+def test_ctrl_c_stops_every_rank_in_one_line_with_the_command_that_goes_on(entry_run, tiny_model_dir, tmp_path):
+    """Ctrl-C after step 1, before any checkpoint: nothing to resume, and the command printed (the run's own, with
+    --resume) starts the run again. Ctrl-C in that run after checkpoint-2: the command printed resumes it. The run
+    then ends on the uninterrupted run's records and adapter."""
+    reference, _ = entry_run
+    out = tmp_path / "run"
+    cmd = opsd_command(tiny_model_dir, out, "--clip", "entry", "--max-steps", "5", "--save-every", "2")
+    head = cmd[:cmd.index(str(ROOT / "opsd.py")) + 1]
+    line = interrupt(cmd, lambda: (out / "metrics.jsonl").exists() and (out / "metrics.jsonl").read_text())
+    assert not opsd.checkpoints(out), "the interrupt came too late to test anything"
+    assert ", before any checkpoint: nothing to resume; to start again: " in line, line
+    again = head + line.split("to start again: ", 1)[1].split(" opsd.py ", 1)[1].split()
     assert again == cmd + ["--resume"]
-    assert "holds no checkpoint yet: the run starts again at step 1" in run(again)
+    line = interrupt(again, lambda: (out / "checkpoint-2" / "trainer_state.pt").exists())
+    assert not (out / "final").exists(), "the interrupt came too late to test anything"
+    assert f"(the last checkpoint is {out / 'checkpoint-2'})" in line or "checkpoint-4" in line, line
+    command = line.split("to resume: ", 1)[1]
+    assert command.startswith("torchrun --nproc_per_node 2 opsd.py ") and "--overwrite" not in command
+    assert head + command.split(" opsd.py ", 1)[1].split() == cmd + ["--resume"]
+    run(cmd + ["--resume"])
     assert without_timings(metrics(out)) == without_timings(metrics(reference))
-    again_adapter = load_file(out / "final" / "adapter_model.safetensors")
+    resumed = load_file(out / "final" / "adapter_model.safetensors")
     uninterrupted = load_file(reference / "final" / "adapter_model.safetensors")
-    assert all(torch.equal(again_adapter[k], uninterrupted[k]) for k in uninterrupted)
+    assert all(torch.equal(resumed[k], uninterrupted[k]) for k in uninterrupted)
 
 
 def test_only_a_directory_named_checkpoint_n_is_a_checkpoint(entry_run, tmp_path):
