@@ -88,8 +88,11 @@ def test_the_tiny_model_passes_and_its_figures_are_the_tokenizers(tiny_model_dir
 
 
 def test_a_hub_id_is_said_to_need_the_hub_and_the_offline_way(tmp_path, monkeypatch, capsys):
+    import huggingface_hub
+
+    # offline, as a user without network says: the library reads the variable once, when imported
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))  # an empty cache
     code, out, err = run(["--", "--model", "nobody/no-such-model", "--dataset", str(DATA)], capsys)
     assert ("hub: --model nobody/no-such-model read from the Hugging Face hub, or its cache; offline, pass a "
             "local model directory (--model DIR) and data file (--dataset FILE)") in out
