@@ -1,13 +1,14 @@
 """Verify another implementation of OPSD's loss against one optimizer step of the miniature model.
 
-    python tests/verify/verify.py DUMP        # DUMP: the peer's numbers for fixture.json's rows (README.md here)
+    python tests/verify/verify.py DUMP    # DUMP: the peer's numbers (README.md here: the dump)
 
-fixture.json holds 24 rollouts of tests/miniature/model, each with its prompts (as strings, as token ids, with
-their chat-template flags) and, per answer position, the divergence at several settings. This script recomputes
-every row's logits alone (no padding) in float64 from the model, compares the peer's numbers with them check by
-check (its prompts and batches when dumped, each side's log-probs, the per-position divergence, the loss), and
-names a likely cause where the numbers identify one. It prints the report; the exit status is 0 when every check
-that ran matches, 1 otherwise. Only torch, transformers and safetensors are needed, and no GPU.
+fixture.json holds 24 rollouts of tests/miniature/model, each with its prompts (as strings, as token
+ids, with their chat-template flags) and, per answer position, the divergence at several settings.
+This script recomputes every row's logits alone (no padding) in float64 from the model, compares the
+peer's numbers with them check by check (its prompts and batches when dumped, each side's log-probs,
+the per-position divergence, the loss), and names a likely cause where the numbers identify one. It
+prints the report; the exit status is 0 when every check that ran matches, 1 otherwise. Only torch,
+transformers and safetensors are needed, and no GPU.
 """
 
 import argparse
@@ -27,15 +28,17 @@ FIXTURE = HERE / "fixture.json"
 SIDES = ("student", "teacher")
 CLIPS = ("none", "entry", "token")
 
-# Tolerances, for a peer computing in float32 (the model's dtype) against this float64 reference, from
-# tolerances.py: a float32 peer with left padding and no position ids (its rows' position ids shifted by their pad
-# counts, which moves rotary rounding), over every setting and clip of fixture.json, errs by up to 2.4e-4 in log p
-# (any vocabulary entry), 5.7e-6 on a divergence below 0.1 and 6.8e-5 relative above, 7.0e-6 relative on the loss.
-# The tolerances are 10, 10, 10 and 7 times those; the loss's normalisations differ by 14 times its tolerance or more.
+# Tolerances, for a peer computing in float32 (the model's dtype) against this float64 reference,
+# from tolerances.py: a float32 peer with left padding and no position ids (its rows' position ids
+# shifted by their pad counts, which moves rotary rounding), over every setting and clip of
+# fixture.json, errs by up to 2.4e-4 in log p (any vocabulary entry), 5.7e-6 on a divergence below
+# 0.1 and 6.8e-5 relative above, 7.0e-6 relative on the loss. The tolerances are 10, 10, 10 and 7
+# times those; the loss's normalisations differ by 14 times its tolerance or more.
 TOL_LOGPROB = 2.5e-3  # the largest |delta log p| over the vocabulary at a position
 TOL_DIVERGENCE = (6e-5, 7e-4)  # absolute, relative
 TOL_LOSS = 5e-5  # relative
-# A pad-predicted first position: its error is this many times the largest error at the row's other positions
+# A pad-predicted first position: its error is this many times the largest error at the row's other
+# positions
 PAD_FIRST_RATIO = 10.0
 
 
@@ -54,20 +57,22 @@ def load_model(model_dir):
 
 @torch.no_grad()
 def row_logits(model, prompt, completion, gap=0):
-    """(L + 2, V) raw logits of one row alone, prompt then answer, no padding: position ids 0, 1, ... (with
-    `gap`, the answer's start `gap` later, as if counted over that many pads after the prompt). Index 1 + j
-    is the output at the token before answer token j, the one that predicts it; index 0 and L + 1 are the
-    outputs one position earlier than answer token 0's and one later than the last's, so that a peer
-    shifted by one position either way can be recognised at every position."""
+    """(L + 2, V) raw logits of one row alone, prompt then answer, no padding: position ids 0, 1,
+    ... (with `gap`, the answer's start `gap` later, as if counted over that many pads after the
+    prompt). Index 1 + j is the output at the token before answer token j, the one that predicts it;
+    index 0 and L + 1 are the outputs one position earlier than answer token 0's and one later than
+    the last's, so that a peer shifted by one position either way can be recognised at every
+    position."""
     P, L = len(prompt), len(completion)
     positions = torch.cat([torch.arange(P), torch.arange(P + gap, P + gap + L)])
-    out = model(input_ids=torch.tensor([prompt + completion]), position_ids=positions[None]).logits[0]
+    out = model(input_ids=torch.tensor([prompt + completion]),
+                position_ids=positions[None]).logits[0]
     return out[P - 2:P + L]
 
 
 def divergence_terms(log_s, log_t, beta):
-    """(..., V) terms d_v whose sum over the vocabulary is the position's divergence, from both sides'
-    log-probs at the loss temperature:
+    """(..., V) terms d_v whose sum over the vocabulary is the position's divergence, from both
+    sides' log-probs at the loss temperature:
       beta 0:  p_T(v) (log p_T(v) - log p_S(v))                  forward KL(T || S)
       beta 1:  p_S(v) (log p_S(v) - log p_T(v))                  reverse KL(S || T)
       else:    beta KL_v(T || M) + (1 - beta) KL_v(S || M),      M = beta p_T + (1 - beta) p_S
@@ -85,8 +90,8 @@ def divergence_terms(log_s, log_t, beta):
 
 
 def divergence(log_s, log_t, *, beta, clip, tau):
-    """(...,) each position's loss term: "entry" clips each d_v at tau before the sum, "token" clips the sum
-    at tau, "none" leaves it."""
+    """(...,) each position's loss term: "entry" clips each d_v at tau before the sum, "token" clips
+    the sum at tau, "none" leaves it."""
     d = divergence_terms(log_s, log_t, beta)
     if clip == "entry":
         return d.clamp(max=tau).sum(-1)
@@ -94,13 +99,14 @@ def divergence(log_s, log_t, *, beta, clip, tau):
     return k.clamp(max=tau) if clip == "token" else k
 
 
-# What the field also computes: the divergence over one side's top k entries, renormalised over them or with one
-# more entry for the rest of each side's mass; and one value from the sampled answer token y alone.
+# What the field also computes: the divergence over one side's top k entries, renormalised over them
+# or with one more entry for the rest of each side's mass; and one value from the sampled answer
+# token y alone.
 
 def top_k_log_probs(log_s, log_t, k, tail, order):
-    """Both sides' (..., k) log-probs on the top k entries of one side, renormalised over them (tail False) or
-    (..., k + 1) with a last entry log(1 - their mass) holding the rest (tail True). order: (..., >= k) that
-    side's entries, largest first (its argsort, descending)."""
+    """Both sides' (..., k) log-probs on the top k entries of one side, renormalised over them (tail
+    False) or (..., k + 1) with a last entry log(1 - their mass) holding the rest (tail True).
+    order: (..., >= k) that side's entries, largest first (its argsort, descending)."""
     out = []
     for log_p in (log_s, log_t):
         top = log_p.gather(-1, order[..., :k])
@@ -112,26 +118,31 @@ def top_k_log_probs(log_s, log_t, k, tail, order):
     return out
 
 
-# The values a peer can take from the sampled token y alone, a = log p_S(y) and b = log p_T(y) (y drawn from the
-# student). Their kind: a divergence's term, an estimator of a divergence, or a policy-gradient surrogate.
+# The values a peer can take from the sampled token y alone, a = log p_S(y) and b = log p_T(y) (y
+# drawn from the student). Their kind: a divergence's term, an estimator of a divergence, or a
+# policy-gradient surrogate.
 SAMPLED_FORMS = {
     "term": ("a divergence's term", "its term at y, d_y"),
-    "estimate": ("an estimator", "its one-sample estimate d_y / p_S(y) (at beta 1, log p_S(y) - log p_T(y))"),
+    "estimate": ("an estimator",
+                 "its one-sample estimate d_y / p_S(y) (at beta 1, log p_S(y) - log p_T(y))"),
     "k2": ("an estimator", "(log p_S(y) - log p_T(y))^2 / 2, an estimate of the reverse KL"),
-    "k3": ("an estimator", "p_T(y) / p_S(y) - 1 - log(p_T(y) / p_S(y)), an estimate of the reverse KL"),
-    "surrogate": ("a policy-gradient surrogate", "-(log p_T(y) - log p_S(y)) log p_S(y), the advantage "
-                                                 "log p_T(y) - log p_S(y) held fixed (its gradient is the sampled "
-                                                 "estimate of the reverse KL's; its value is no divergence)"),
+    "k3": ("an estimator",
+           "p_T(y) / p_S(y) - 1 - log(p_T(y) / p_S(y)), an estimate of the reverse KL"),
+    "surrogate": ("a policy-gradient surrogate",
+                  "-(log p_T(y) - log p_S(y)) log p_S(y), the advantage log p_T(y) - log p_S(y) "
+                  "held fixed (its gradient is the sampled estimate of the reverse KL's; its value "
+                  "is no divergence)"),
 }
 
 
 def sampled_value(a, b, form, beta, clamp=False):
-    """(N,) one value per position from a = log p_S(y), b = log p_T(y) (SAMPLED_FORMS). The divergence's halves,
-    for "term" and "estimate" (their sum; one half at beta 0 or 1):
-      term:      beta p_T(y) (b - log m(y))  and  (1 - beta) p_S(y) (a - log m(y)),  m = beta p_T + (1 - beta) p_S
+    """(N,) one value per position from a = log p_S(y), b = log p_T(y) (SAMPLED_FORMS). The
+    divergence's halves, for "term" and "estimate" (their sum; one half at beta 0 or 1):
+      term:      beta p_T(y) (b - log m(y))  and  (1 - beta) p_S(y) (a - log m(y)),
+                 m = beta p_T + (1 - beta) p_S
       estimate:  the same divided by p_S(y)
-    (beta 0: p_T(y) (b - a); beta 1: p_S(y) (a - b); the generalized JSD vanishes as beta goes to 0 or 1, so the
-    ends are the KLs themselves). clamp: each half bounded below at 0."""
+    (beta 0: p_T(y) (b - a); beta 1: p_S(y) (a - b); the generalized JSD vanishes as beta goes to 0
+    or 1, so the ends are the KLs themselves). clamp: each half bounded below at 0."""
     if form == "k2":
         return 0.5 * (a - b) ** 2
     if form == "k3":
@@ -161,7 +172,8 @@ def normalised(values, how, micro_batch_size, skip=0, count_skipped=False):
       step:         their sum over the whole step / their number (opsd's)
       micro-batch:  the mean over micro-batches (consecutive rows) of each one's sum / its number
       answer:       the mean over answers of each answer's sum / its number
-      row:          the mean over answers of each answer's sum (the step's sum / the number of answers)
+      row:          the mean over answers of each answer's sum (the step's sum / the number of
+                    answers)
       sum:          the step's sum
     count_skipped: the step's sum over j >= skip divided by every position's number."""
     kept = [v[skip:] for v in values]
@@ -181,8 +193,9 @@ def normalised(values, how, micro_batch_size, skip=0, count_skipped=False):
 
 
 def pads_after(prompt_lengths, micro_batch_size):
-    """Per row, how much shorter its prompt is than the longest of its micro-batch (consecutive rows): the
-    pads a batch that pads prompts on the right puts between its prompt and its answer."""
+    """Per row, how much shorter its prompt is than the longest of its micro-batch (consecutive
+    rows): the pads a batch that pads prompts on the right puts between its prompt and its
+    answer."""
     gaps = []
     for first in range(0, len(prompt_lengths), micro_batch_size):
         group = prompt_lengths[first:first + micro_batch_size]
@@ -191,28 +204,32 @@ def pads_after(prompt_lengths, micro_batch_size):
 
 
 class Reference:
-    """Rows (dicts with student_prompt_ids, teacher_prompt_ids, completion_ids) and, from the model in
-    float64, each row's raw logits on both sides (row_logits)."""
+    """Rows (dicts with student_prompt_ids, teacher_prompt_ids, completion_ids) and, from the model
+    in float64, each row's raw logits on both sides (row_logits)."""
 
     def __init__(self, rows, model_dir, micro_batch_size, fixture=None):
         self.model = load_model(model_dir)
         self.rows, self.fixture, self.micro_batch_size = rows, fixture, micro_batch_size
         self.lengths = [len(r["completion_ids"]) for r in rows]
         self.prompt_lengths = {side: [len(r[f"{side}_prompt_ids"]) for r in rows] for side in SIDES}
-        self.logits = {side: [row_logits(self.model, r[f"{side}_prompt_ids"], r["completion_ids"]) for r in rows]
+        self.logits = {side: [row_logits(self.model, r[f"{side}_prompt_ids"], r["completion_ids"])
+                              for r in rows]
                        for side in SIDES}
-        self.padded = {}  # {(side, micro-batch size): the logits with each answer's positions after the pads}
+        # {(side, micro-batch size): the logits with each answer's positions after the pads}
+        self.padded = {}
 
     @classmethod
     def from_fixture(cls, path=FIXTURE):
         fixture = json.loads(Path(path).read_text())
         model_dir = ROOT / fixture["model"]
         if sha16(model_dir / "model.safetensors") != fixture["model_sha256_16"]:
-            raise SystemExit(f"verify.py: {fixture['model']} is not the model fixture.json was made from.")
+            raise SystemExit(f"verify.py: {fixture['model']} is not the model fixture.json was "
+                             "made from.")
         return cls(fixture["rows"], model_dir, fixture["micro_batch_size"], fixture)
 
     def with_prompts(self, prompts):
-        """This reference with some rows' prompts replaced (prompts: {side: {row: ids}}), their logits recomputed:
+        """This reference with some rows' prompts replaced (prompts: {side: {row: ids}}), their
+        logits recomputed:
         the peer's own prompts, so that what else differs can be told."""
         if not any(prompts.values()):
             return self
@@ -223,8 +240,10 @@ class Reference:
         for side, changed in prompts.items():
             for row, ids in changed.items():
                 other.rows[row][f"{side}_prompt_ids"] = ids
-                other.logits[side][row] = row_logits(self.model, ids, self.rows[row]["completion_ids"])
-        other.prompt_lengths = {side: [len(r[f"{side}_prompt_ids"]) for r in other.rows] for side in SIDES}
+                other.logits[side][row] = row_logits(self.model, ids,
+                                                     self.rows[row]["completion_ids"])
+        other.prompt_lengths = {side: [len(r[f"{side}_prompt_ids"]) for r in other.rows]
+                                for side in SIDES}
         return other
 
     def shorter(self, side, size):
@@ -232,27 +251,31 @@ class Reference:
         return {r for r, gap in enumerate(pads_after(self.prompt_lengths[side], size)) if gap}
 
     def padded_logits(self, side, size):
-        """Each row's logits with its answer at position ids counted over the pads that padding its prompt
-        to the micro-batch's longest puts before it (the rows with the longest prompt unchanged)."""
+        """Each row's logits with its answer at position ids counted over the pads that padding its
+        prompt to the micro-batch's longest puts before it (the rows with the longest prompt
+        unchanged)."""
         if (side, size) not in self.padded:
             gaps = pads_after(self.prompt_lengths[side], size)
             self.padded[(side, size)] = [
-                row_logits(self.model, r[f"{side}_prompt_ids"], r["completion_ids"], gap) if gap else x
+                row_logits(self.model, r[f"{side}_prompt_ids"], r["completion_ids"], gap) if gap
+                                         else x
                 for r, x, gap in zip(self.rows, self.logits[side], gaps)]
         return self.padded[(side, size)]
 
     def log_probs(self, side, row, temperature, offset=0, padded=None):
-        """(L, V) the side's log-probs at `temperature`, at the positions shifted by `offset`; padded: a
-        micro-batch size, for the logits with the answer's position ids counted over the pads."""
+        """(L, V) the side's log-probs at `temperature`, at the positions shifted by `offset`;
+        padded: a micro-batch size, for the logits with the answer's position ids counted over the
+        pads."""
         x = self.logits[side][row] if padded is None else self.padded_logits(side, padded)[row]
         L = self.lengths[row]
         return torch.log_softmax(x[1 + offset:1 + offset + L] / temperature, -1)
 
     def divergences(self, *, beta, temperature, clip, tau, student_t=None, teacher_t=None, offset=0,
                     swapped=False, padded=(), size=None):
-        """[(L,)] per row: the divergence at `temperature` (or student_t / teacher_t on one side), both
-        sides at positions shifted by `offset`; swapped: the student's and teacher's roles exchanged;
-        padded: the sides whose answers sit at position ids counted over pads (micro-batches of `size`)."""
+        """[(L,)] per row: the divergence at `temperature` (or student_t / teacher_t on one side),
+        both sides at positions shifted by `offset`; swapped: the student's and teacher's roles
+        exchanged; padded: the sides whose answers sit at position ids counted over pads
+        (micro-batches of `size`)."""
         out = []
         for row in range(len(self.rows)):
             log_s, log_t = (self.log_probs(side, row, t or temperature, offset,
@@ -268,11 +291,12 @@ class Reference:
 # Identification: the configuration whose values explain a peer's numbers
 
 class Config(NamedTuple):
-    """What a peer computes at each answer position: each side's temperature, the divergence (beta: 0 the
-    forward KL, 1 the reverse, between the generalized JSD), the clip ("none", "entry", "token") at tau, and the
-    support the value is taken over: "full" (the whole vocabulary), "top-k" (the top k entries of side `by`,
-    renormalised over them or with a tail entry for the rest) or "sampled-token" (the answer token alone, a form
-    of SAMPLED_FORMS, its halves clamped at >= 0 or not)."""
+    """What a peer computes at each answer position: each side's temperature, the divergence (beta:
+    0 the forward KL, 1 the reverse, between the generalized JSD), the clip ("none", "entry",
+    "token") at tau, and the support the value is taken over: "full" (the whole vocabulary), "top-k"
+    (the top k entries of side `by`, renormalised over them or with a tail entry for the rest) or
+    "sampled-token" (the answer token alone, a form of SAMPLED_FORMS, its halves clamped at >= 0 or
+    not)."""
     student_t: float
     teacher_t: float
     beta: float
@@ -287,14 +311,16 @@ class Config(NamedTuple):
 
 
 def parse_support(text):
-    """Config fields of a declared support: "full", "top-k:SIDE:K" (":tail" after it: a tail entry), or
-    "sampled-token:FORM" (":clamped" after it: each half clamped at >= 0); None if it is none of these."""
+    """Config fields of a declared support: "full", "top-k:SIDE:K" (":tail" after it: a tail entry),
+    or "sampled-token:FORM" (":clamped" after it: each half clamped at >= 0); None if it is none of
+    these."""
     parts = text.split(":")
     if parts == ["full"]:
         return {"support": "full"}
     if parts[0] == "top-k" and len(parts) in (3, 4) and parts[1] in SIDES and parts[2].isdigit() \
             and int(parts[2]) > 0 and parts[3:] in ([], ["tail"]):
-        return {"support": "top-k", "by": parts[1], "k": int(parts[2]), "tail": parts[3:] == ["tail"]}
+        return {"support": "top-k", "by": parts[1], "k": int(parts[2]),
+                "tail": parts[3:] == ["tail"]}
     if parts[0] == "sampled-token" and len(parts) in (2, 3) and parts[1] in SAMPLED_FORMS \
             and parts[2:] in ([], ["clamped"]):
         return {"support": "sampled-token", "form": parts[1], "clamp": parts[2:] == ["clamped"]}
@@ -312,19 +338,22 @@ def kind_of(c):
 
 
 def describe(c, temperatures=True):
-    """The configuration in words (without its temperatures: those of fixed log-probs mean nothing)."""
+    """The configuration in words (without its temperatures: those of fixed log-probs mean
+    nothing)."""
     if c.support == "sampled-token" and not uses_beta(c):
         what = SAMPLED_FORMS[c.form][1]
     else:
-        what = {0.0: "forward KL (beta 0)", 1.0: "reverse KL (beta 1)"}.get(c.beta, f"generalized JSD (beta "
-                                                                                     f"{c.beta:.4g})")
+        what = {0.0: "forward KL (beta 0)", 1.0: "reverse KL (beta 1)"}.get(c.beta,
+                                                                            "generalized JSD "
+                                                                            f"(beta {c.beta:.4g})")
         if c.support == "full":
             what += " over the whole vocabulary"
         elif c.support == "top-k":
             what += f" over the {c.by}'s top {c.k} entries, " + (
                 "with a tail entry for the rest" if c.tail else "renormalised over them")
         else:
-            short = {"term": "its term there", "estimate": "its one-sample estimate d_y / p_S(y)"}[c.form]
+            short = {"term": "its term there",
+                     "estimate": "its one-sample estimate d_y / p_S(y)"}[c.form]
             what += f" at the sampled token y alone, {short}"
     if c.support == "sampled-token" and c.clamp:
         what += ", each half clamped at >= 0"
@@ -347,22 +376,29 @@ def same(a, b, rel=1e-3):
 def differences(found, declared, k_note=None):
     """[(cause, note)]: how `found` departs from the declared configuration."""
     out = []
-    moved = [side for side in SIDES if not same(getattr(found, f"{side}_t"), getattr(declared, f"{side}_t"))]
+    moved = [side for side in SIDES if not same(getattr(found, f"{side}_t"), getattr(declared,
+                                                                                     f"{side}_t"))]
     if len(moved) == 2 and same(found.student_t, found.teacher_t):
-        out.append(("temperature:both", f"T {found.student_t:.4g} on both sides, {declared.student_t:g} declared"))
+        out.append(("temperature:both",
+                    f"T {found.student_t:.4g} on both sides, {declared.student_t:g} declared"))
     else:
-        out += [(f"temperature:{side}", f"T {getattr(found, f'{side}_t'):.4g}, {getattr(declared, f'{side}_t'):g} "
-                 "declared") for side in moved]
+        for side in moved:
+            fitted, asked = getattr(found, f"{side}_t"), getattr(declared, f"{side}_t")
+            out.append((f"temperature:{side}", f"T {fitted:.4g}, {asked:g} declared"))
     structure = ("support", "by", "k", "tail", "form")
-    if found.support == "top-k" and any(getattr(found, f) != getattr(declared, f) for f in structure):
-        out.append((f"top-k:{found.by}:{'tail' if found.tail else 'renormalised'}", k_note or f"k = {found.k}"))
-    elif found.support == "sampled-token" and any(getattr(found, f) != getattr(declared, f) for f in structure):
+    if found.support == "top-k" and any(getattr(found, f) != getattr(declared, f)
+                                        for f in structure):
+        out.append((f"top-k:{found.by}:{'tail' if found.tail else 'renormalised'}", k_note
+                    or f"k = {found.k}"))
+    elif found.support == "sampled-token" and any(getattr(found, f) != getattr(declared, f)
+                                                  for f in structure):
         out.append((f"sampled-token:{found.form}", kind_of(found)))
     elif found.support == "full" and declared.support != "full":
         out.append(("support:full", None))
     if found.support == "sampled-token" and found.clamp != declared.clamp:
         out.append(("clamp:halves" if found.clamp else "clamp:none", None))
-    if uses_beta(found) and not same(found.beta, declared.beta, 1e-6) and abs(found.beta - declared.beta) > 1e-3:
+    beta_moved = abs(found.beta - declared.beta) > 1e-3
+    if uses_beta(found) and beta_moved and not same(found.beta, declared.beta, 1e-6):
         note = f"beta {found.beta:.4g}, {declared.beta:g} declared"
         if declared.beta in (0.0, 1.0) and found.beta == 1.0 - declared.beta:
             note += ": the student and the teacher exchanged"
@@ -375,8 +411,9 @@ def differences(found, declared, k_note=None):
 
 
 class Numbers:
-    """One side's numbers at the step's positions, rows concatenated: raw logits (N, V) whose temperature is a
-    parameter, log-probs (N, V) as they are, or the sampled token's log-prob alone (N,)."""
+    """One side's numbers at the step's positions, rows concatenated: raw logits (N, V) whose
+    temperature is a parameter, log-probs (N, V) as they are, or the sampled token's log-prob alone
+    (N,)."""
 
     def __init__(self, logits=None, logprobs=None, token=None):
         self.logits, self.logprobs, self.token = logits, logprobs, token
@@ -419,10 +456,12 @@ class Numbers:
 
 
 def config_values(c, student, teacher, y, peer=None, tie=0.0):
-    """(N,) each position's value under configuration c, from both sides' Numbers and the sampled tokens y.
-    A top k whose k-th and (k + 1)-th log-probs lie within `tie`: the peer's choice, the nearer to `peer`."""
+    """(N,) each position's value under configuration c, from both sides' Numbers and the sampled
+    tokens y. A top k whose k-th and (k + 1)-th log-probs lie within `tie`: the peer's choice, the
+    nearer to `peer`."""
     if c.support == "sampled-token":
-        value = sampled_value(student.of_token(c.student_t, y), teacher.of_token(c.teacher_t, y), c.form, c.beta,
+        value = sampled_value(student.of_token(c.student_t, y), teacher.of_token(c.teacher_t, y),
+                              c.form, c.beta,
                               c.clamp)
         if c.clip != "none":
             value = value.clamp(max=c.tau)
@@ -432,7 +471,8 @@ def config_values(c, student, teacher, y, peer=None, tie=0.0):
         return divergence(log_s, log_t, beta=c.beta, clip=c.clip, tau=c.tau)
     side = student if c.by == "student" else teacher
     order = side.order()
-    d = divergence(*top_k_log_probs(log_s, log_t, c.k, c.tail, order), beta=c.beta, clip=c.clip, tau=c.tau)
+    d = divergence(*top_k_log_probs(log_s, log_t, c.k, c.tail, order), beta=c.beta, clip=c.clip,
+                   tau=c.tau)
     if tie and peer is not None and c.k < order.shape[-1]:
         by = log_s if c.by == "student" else log_t
         ranked = by.gather(-1, order[:, c.k - 1:c.k + 1])
@@ -440,15 +480,17 @@ def config_values(c, student, teacher, y, peer=None, tie=0.0):
         if tied.any():  # the k-th and (k + 1)-th exchanged: the peer's top k may hold either
             swapped = order[tied].clone()
             swapped[:, [c.k - 1, c.k]] = swapped[:, [c.k, c.k - 1]]
-            other = divergence(*top_k_log_probs(log_s[tied], log_t[tied], c.k, c.tail, swapped), beta=c.beta,
+            other = divergence(*top_k_log_probs(log_s[tied], log_t[tied], c.k, c.tail, swapped),
+                               beta=c.beta,
                                clip=c.clip, tau=c.tau)
-            d[tied] = torch.where((peer[tied] - other).abs() < (peer[tied] - d[tied]).abs(), other, d[tied])
+            d[tied] = torch.where((peer[tied] - other).abs() < (peer[tied] - d[tied]).abs(), other,
+                                  d[tied])
     return d
 
 
 def minimise(f, low, high, log=False, points=10, steps=22):
-    """The x in [low, high] where f(x) is least: the best of a grid of `points`, then a golden-section search
-    between its neighbours (in log x when `log`)."""
+    """The x in [low, high] where f(x) is least: the best of a grid of `points`, then a
+    golden-section search between its neighbours (in log x when `log`)."""
     to, back = (math.log, math.exp) if log else (float, float)
     grid = [to(low) + (to(high) - to(low)) * i / (points - 1) for i in range(points)]
     scores = [f(back(x)) for x in grid]
@@ -473,8 +515,10 @@ def minimise(f, low, high, log=False, points=10, steps=22):
 TEMPERATURES = (0.2, 5.0)  # the range a temperature is fitted in
 TAUS = (1e-4, 20.0)  # and a clip's tau
 TOP_K_GRID = (1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 20, 25, 32, 50, 64, 100, 128, 200, 256, 400)
-FIT_POSITIONS = 160  # the continuous parameters are searched on this many positions, then checked on all
-PHASE_TWO = 3  # the structures whose temperatures are fitted when none fits without: the declared, the nearest
+# the continuous parameters are searched on this many positions, then checked on all
+FIT_POSITIONS = 160
+# the structures whose temperatures are fitted when none fits without: the declared, the nearest
+PHASE_TWO = 3
 
 
 def close(a, b):
@@ -482,29 +526,31 @@ def close(a, b):
 
 
 class Fit:
-    """Fitting configurations to a peer's per-position values `peer` (N,), at the positions `kept` (N,) bool,
-    from both sides' Numbers and the sampled tokens y: the declared configuration first, then every support,
-    clip and sampled-token form, each with its free parameters (the temperatures where the numbers are logits,
-    beta, tau, k) searched."""
+    """Fitting configurations to a peer's per-position values `peer` (N,), at the positions `kept`
+    (N,) bool, from both sides' Numbers and the sampled tokens y: the declared configuration first,
+    then every support, clip and sampled-token form, each with its free parameters (the temperatures
+    where the numbers are logits, beta, tau, k) searched."""
 
     def __init__(self, student, teacher, y, peer, kept, declared, tie=0.0):
         self.student, self.teacher, self.y, self.peer, self.kept = student, teacher, y, peer, kept
         self.declared, self.tie = declared, tie
         self.total = int(kept.sum())
         index = kept.nonzero()[:, 0]
-        index = index[torch.linspace(0, len(index) - 1, min(FIT_POSITIONS, len(index))).round().long()]
+        index = index[torch.linspace(0, len(index) - 1, min(FIT_POSITIONS,
+                                                            len(index))).round().long()]
         self.search = (student.at(index), teacher.at(index), y[index], peer[index])
 
     def values(self, c, on_search=False):
-        student, teacher, y, peer = self.search if on_search else (self.student, self.teacher, self.y, self.peer)
+        student, teacher, y, peer = self.search if on_search else (self.student, self.teacher,
+                                                                   self.y, self.peer)
         return config_values(c, student, teacher, y, peer, self.tie)
 
     def count(self, c):
         return int((close(self.peer, self.values(c)) & self.kept).sum())
 
     def score(self, c):
-        """The distance searched on: the sum of the absolute differences at the search positions (its basin is
-        wide, so a grid finds it; its least is where every position matches)."""
+        """The distance searched on: the sum of the absolute differences at the search positions
+        (its basin is wide, so a grid finds it; its least is where every position matches)."""
         return float((self.search[3] - self.values(c, on_search=True)).abs().sum())
 
     def free(self, c):
@@ -516,7 +562,8 @@ class Fit:
         return names
 
     def move(self, c, name):
-        """c with the parameter `name` where the score is least (c itself if nothing found is better)."""
+        """c with the parameter `name` where the score is least (c itself if nothing found is
+        better)."""
         def at(x):
             return self.score(c._replace(**{name: x}))
         if name == "beta":  # the ends are the KLs, not the JSD's limits: tried apart
@@ -549,9 +596,11 @@ class Fit:
         V = self.student.order().shape[-1]
         top = self.count(c)
 
-        def edge(direction):  # the last k from c's towards `direction` (+1 or -1) that matches `top` positions
+        # the last k from c's towards `direction` (+1 or -1) that matches `top` positions
+        def edge(direction):
             inside, step = c.k, 1
-            while 1 <= inside + step * direction < V and self.count(c._replace(k=inside + step * direction)) == top:
+            while 1 <= inside + step * direction < V \
+                    and self.count(c._replace(k=inside + step * direction)) == top:
                 inside += step * direction
                 step *= 2
             outside = min(max(inside + step * direction, 0), V)
@@ -569,10 +618,11 @@ class Fit:
         return f"k from {low} to {high}: these rows tell them apart no further"
 
     def fitted(self, c, free):
-        """c with the parameters `free` fitted (and a top k's k), then put back to the declared values wherever
-        those match as many positions. Temperatures are tried in turn, the first plan that matches every position
-        ending it: one side's alone, one for both sides, each side in turn (their valley can run across both), each
-        after one for both; beta and tau after each, in rounds while they gain."""
+        """c with the parameters `free` fitted (and a top k's k), then put back to the declared
+        values wherever those match as many positions. Temperatures are tried in turn, the first
+        plan that matches every position ending it: one side's alone, one for both sides, each side
+        in turn (their valley can run across both), each after one for both; beta and tau after
+        each, in rounds while they gain."""
         if c.support == "top-k":
             c = self.top_k(c)
         rest = [name for name in free if not name.endswith("_t")]
@@ -611,7 +661,8 @@ class Fit:
         d = self.declared
         full = self.student.full and self.teacher.full
         out = []
-        if full or d.support == "sampled-token":  # the sampled token's log-probs alone give no other support
+        # the sampled token's log-probs alone give no other support
+        if full or d.support == "sampled-token":
             out.append({"support": d.support, "by": d.by, "k": d.k, "tail": d.tail, "form": d.form,
                         "clamp": d.clamp, "clip": d.clip})
         if full:
@@ -621,15 +672,17 @@ class Fit:
         for form in SAMPLED_FORMS:
             for clamp in ((False, True) if form in ("term", "estimate") else (False,)):
                 for clip in dict.fromkeys((d.clip, "none")):
-                    out.append({"support": "sampled-token", "form": form, "clamp": clamp, "clip": clip})
+                    out.append({"support": "sampled-token", "form": form, "clamp": clamp,
+                                "clip": clip})
         return out
 
     def identify(self):
-        """[(positions matched, configuration, the top k's note)], the best first: the most positions matched,
-        then the fewest differences from the declared configuration. The declared structure first, then every
-        other, each with beta and tau fitted; then, if none matched every position and the numbers are logits,
-        the declared structure and the nearest others (PHASE_TWO in all) with the temperatures fitted too. The
-        first that matches every position ends the search."""
+        """[(positions matched, configuration, the top k's note)], the best first: the most
+        positions matched, then the fewest differences from the declared configuration. The declared
+        structure first, then every other, each with beta and tau fitted; then, if none matched
+        every position and the numbers are logits, the declared structure and the nearest others
+        (PHASE_TWO in all) with the temperatures fitted too. The first that matches every position
+        ends the search."""
         found = []
         temperatures = ("student_t", "teacher_t")
         structures = self.structures()
@@ -644,7 +697,8 @@ class Fit:
                 c = self.declared._replace(**fields)
                 if c.support == "top-k" and c.k == 0:
                     c = c._replace(k=1)
-                c = self.fitted(c, [n for n in self.free(c) if fit_temperatures or n not in temperatures])
+                c = self.fitted(c, [n for n in self.free(c) if fit_temperatures
+                                    or n not in temperatures])
                 found.append((self.count(c), c))
                 if found[-1][0] == self.total:
                     break
@@ -655,33 +709,35 @@ class Fit:
             [(n, c, None) for n, c in found[1:]]
 
     def degenerate(self, c):
-        """Whether c's values are all within the tolerance of zero while the peer's are not: a form that matches
-        whatever lies near zero, never offered as a hint."""
+        """Whether c's values are all within the tolerance of zero while the peer's are not: a form
+        that matches whatever lies near zero, never offered as a hint."""
         value = self.values(c)[self.kept]
         peer = self.peer[self.kept]
-        return bool(close(value, torch.zeros_like(value)).all()) and not bool(close(peer, torch.zeros_like(peer)).all())
+        value_zero = bool(close(value, torch.zeros_like(value)).all())
+        return value_zero and not bool(close(peer, torch.zeros_like(peer)).all())
 
 
-HINT_SHARE = 0.9  # a configuration that matches less than this share of positions is not offered as a hint
+# a configuration that matches less than this share of positions is not offered as a hint
+HINT_SHARE = 0.9
 
 
 # -----------------------------------------------------------------------------
 # Check 2: the batch's invariants
 
 def check_batch(input_ids, attention_mask, position_ids, answer_mask, scored_mask=None):
-    """[one sentence per broken invariant] of a peer's micro-batch, (B, T) each: answer_mask marks the
-    answer tokens; scored_mask (optional) the positions whose outputs the peer scores them with. Whatever
-    the padding, each row's real tokens (attention mask 1) must have contiguous position ids, its answer
-    tokens must be real and adjacent, answer token 0 must come right after a real prompt token (it is
-    predicted from the prompt's last token), and the scored positions must be those just before the
-    answer tokens. An empty list: the batch keeps every row's order."""
-    return [sentence for _, sentence in batch_problems(input_ids, attention_mask, position_ids, answer_mask,
-                                                       scored_mask)]
+    """[one sentence per broken invariant] of a peer's micro-batch, (B, T) each: answer_mask marks
+    the answer tokens; scored_mask (optional) the positions whose outputs the peer scores them with.
+    Whatever the padding, each row's real tokens (attention mask 1) must have contiguous position
+    ids, its answer tokens must be real and adjacent, answer token 0 must come right after a real
+    prompt token (it is predicted from the prompt's last token), and the scored positions must be
+    those just before the answer tokens. An empty list: the batch keeps every row's order."""
+    problems = batch_problems(input_ids, attention_mask, position_ids, answer_mask, scored_mask)
+    return [sentence for _, sentence in problems]
 
 
 def batch_problems(input_ids, attention_mask, position_ids, answer_mask, scored_mask=None):
-    """check_batch's sentences, each with the cause it points to ("position-ids", "pad-first", "shift:+1",
-    "shift:-1" or None)."""
+    """check_batch's sentences, each with the cause it points to ("position-ids", "pad-first",
+    "shift:+1", "shift:-1" or None)."""
     problems = []
     for row in range(input_ids.shape[0]):
         real = attention_mask[row].bool()
@@ -690,14 +746,16 @@ def batch_problems(input_ids, attention_mask, position_ids, answer_mask, scored_
         gaps = (positions.diff() != 1).nonzero()[:, 0]
         if len(gaps):
             i = int(gaps[0])
-            problems.append(("position-ids", f"row {row}: its real tokens' position ids jump from "
-                             f"{int(positions[i])} to {int(positions[i + 1])}: they must count the real tokens "
-                             "without a gap."))
+            problems.append(("position-ids",
+                             f"row {row}: its real tokens' position ids jump from "
+                             f"{int(positions[i])} to {int(positions[i + 1])}: they must count the "
+                             "real tokens without a gap."))
         if not len(answer):
             problems.append((None, f"row {row}: no answer token is marked."))
             continue
         if not real[answer].all() or (answer.diff() != 1).any():
-            problems.append((None, f"row {row}: its answer tokens are not one unmasked run of tokens."))
+            problems.append((None,
+                             f"row {row}: its answer tokens are not one unmasked run of tokens."))
         first = int(answer[0])
         before = first - 1  # the real token before answer token 0
         while before >= 0 and not real[before]:
@@ -705,17 +763,20 @@ def batch_problems(input_ids, attention_mask, position_ids, answer_mask, scored_
         if before < 0:
             problems.append((None, f"row {row}: no real prompt token comes before answer token 0."))
         elif before != first - 1:
-            problems.append(("pad-first", f"row {row}: {first - 1 - before} pad(s) lie between the prompt and "
-                             "answer token 0, so the output at the position before it (a pad's) predicts it, "
-                             "not the prompt's last token's."))
+            problems.append(("pad-first",
+                             f"row {row}: {first - 1 - before} pad(s) lie between the prompt and "
+                             "answer token 0, so the output at the position before it (a pad's) "
+                             "predicts it, not the prompt's last token's."))
         if scored_mask is not None:
             scored = scored_mask[row].bool().nonzero()[:, 0]
             if scored.tolist() != (answer - 1).tolist():
-                offset = next((k for k in (1, -1) if scored.tolist() == (answer - 1 + k).tolist()), None)
+                offset = next((k for k in (1, -1) if scored.tolist() == (answer - 1 + k).tolist()),
+                              None)
                 at = scored.tolist()[:1]
                 problems.append((offset and f"shift:{offset:+d}",
-                                 f"row {row}: answer token 0 (index {first}) is scored with the output at index "
-                                 f"{at[0] if at else None}, not at index {first - 1} (the token before it)."))
+                                 f"row {row}: answer token 0 (index {first}) is scored with the "
+                                 f"output at index {at[0] if at else None}, not at index "
+                                 f"{first - 1} (the token before it)."))
     return problems
 
 
@@ -730,24 +791,31 @@ class Dump(NamedTuple):
     micro_batch_size: int | None
     rows: dict  # {row: {name: tensor}}
     batches: dict  # {(micro-batch, side): {name: tensor}}
-    logits: str | None = None  # "raw" (before the temperature) or "divided" (already divided by it); None: unsaid
-    declared: dict = {}  # what the metadata declares besides: temperature, beta, tau, skip_first_tokens, support
+    # "raw" (before the temperature) or "divided" (already divided by it); None: unsaid
+    logits: str | None = None
+    # what the metadata declares besides: temperature, beta, tau, skip_first_tokens, support
+    declared: dict = {}
 
 
-ROW_TENSORS = ("student_logprobs", "teacher_logprobs", "student_logits", "teacher_logits", "student_token_logprobs",
-               "teacher_token_logprobs", "divergence", "student_prompt_ids", "teacher_prompt_ids")
+ROW_TENSORS = ("student_logprobs", "teacher_logprobs", "student_logits", "teacher_logits",
+               "student_token_logprobs", "teacher_token_logprobs", "divergence",
+               "student_prompt_ids", "teacher_prompt_ids")
 BATCH_TENSORS = ("input_ids", "attention_mask", "position_ids", "answer_mask", "scored_mask")
-DECLARABLE = {"temperature": float, "beta": float, "tau": float, "skip_first_tokens": int, "support": str}
+DECLARABLE = {"temperature": float, "beta": float, "tau": float, "skip_first_tokens": int,
+              "support": str}
 
 
-def write_dump(path, *, setting=None, clip, rows, loss=None, normalisation=None, micro_batch_size=None,
-               batches=None, logits=None, **declared):
-    """Write a dump: rows {fixture row: {name: tensor}} (names in ROW_TENSORS), batches {(k, side): {name:
-    tensor}} (names in BATCH_TENSORS), the rest as text in the file's metadata; `declared`: any of DECLARABLE,
-    a setting of the peer's own (with or instead of one of the fixture's)."""
+def write_dump(path, *, setting=None, clip, rows, loss=None, normalisation=None,
+               micro_batch_size=None, batches=None, logits=None, **declared):
+    """Write a dump: rows {fixture row: {name: tensor}} (names in ROW_TENSORS), batches
+    {(k, side): {name: tensor}} (names in BATCH_TENSORS), the rest as text in the file's metadata;
+    `declared`: any of DECLARABLE, a setting of the peer's own (with or instead of one of the
+    fixture's)."""
     from safetensors.torch import save_file
 
-    tensors = {f"row{i}.{name}": t.contiguous() for i, named in rows.items() for name, t in named.items()}
+    tensors = {}
+    for i, named in rows.items():
+        tensors.update({f"row{i}.{name}": t.contiguous() for name, t in named.items()})
     for (k, side), named in (batches or {}).items():
         tensors.update({f"batch{k}.{side}.{name}": t.contiguous() for name, t in named.items()})
     meta = {"clip": clip}
@@ -774,8 +842,8 @@ def read_dump(path):
     if "clip" not in meta:
         raise SystemExit(f"verify.py: {path} has no 'clip' in its metadata (README.md: the dump).")
     if "setting" not in meta and not {"temperature", "beta"} <= set(meta):
-        raise SystemExit(f"verify.py: {path} has neither a 'setting' nor a 'temperature' and a 'beta' in its "
-                         "metadata (README.md: the dump).")
+        raise SystemExit(f"verify.py: {path} has neither a 'setting' nor a 'temperature' and a "
+                         "'beta' in its metadata (README.md: the dump).")
     rows, batches = {}, {}
     for name, t in tensors.items():
         head, _, field = name.partition(".")
@@ -786,86 +854,102 @@ def read_dump(path):
             side, tensor = field.split(".", 1)
             batches.setdefault((int(head[5:]), side), {})[tensor] = t
         else:
-            raise SystemExit(f"verify.py: {path} holds {name!r}, which is no tensor of a dump (README.md).")
+            raise SystemExit(f"verify.py: {path} holds {name!r}, which is no tensor of a dump "
+                             "(README.md).")
     if meta.get("logits", "raw") not in ("raw", "divided"):
-        raise SystemExit(f"verify.py: {path}: its metadata's logits is {meta['logits']!r}; say 'raw' (before the "
-                         "temperature) or 'divided' (already divided by it).")
+        raise SystemExit(f"verify.py: {path}: its metadata's logits is {meta['logits']!r}; say "
+                         "'raw' (before the temperature) or 'divided' (already divided by it).")
     declared = {}
     for key, kind in DECLARABLE.items():
         if key in meta:
             try:
                 declared[key] = kind(meta[key])
             except ValueError:
-                raise SystemExit(f"verify.py: {path}: its metadata's {key} is {meta[key]!r}, not a number.")
+                raise SystemExit(f"verify.py: {path}: its metadata's {key} is {meta[key]!r}, not a "
+                                 "number.")
     if "support" in declared and parse_support(declared["support"]) is None:
-        raise SystemExit(f"verify.py: {path}: its metadata's support is {declared['support']!r}; say 'full', "
-                         f"'top-k:SIDE:K' (':tail' after it for a tail entry) or 'sampled-token:FORM' (FORM one of "
-                         f"{', '.join(SAMPLED_FORMS)}; ':clamped' after it for halves clamped at >= 0).")
+        raise SystemExit(f"verify.py: {path}: its metadata's support is {declared['support']!r}; "
+                         "say 'full', 'top-k:SIDE:K' (':tail' after it for a tail entry) or "
+                         f"'sampled-token:FORM' (FORM one of {', '.join(SAMPLED_FORMS)}; "
+                         "':clamped' after it for halves clamped at >= 0).")
     size = meta.get("micro_batch_size")
     return Dump(meta.get("setting"), meta["clip"], float(meta["loss"]) if "loss" in meta else None,
-                meta.get("normalisation"), int(size) if size else None, rows, batches, meta.get("logits"), declared)
+                meta.get("normalisation"), int(size) if size else None, rows, batches,
+                meta.get("logits"), declared)
 
 
 # -----------------------------------------------------------------------------
 # The checks
 
 CAUSES = {
-    "temperature:student": "the student's log-probs are at another temperature than the declared one",
-    "temperature:teacher": "the teacher's log-probs are at another temperature than the declared one",
+    "temperature:student": "the student's log-probs are at another temperature than the declared "
+                           "one",
+    "temperature:teacher": "the teacher's log-probs are at another temperature than the declared "
+                           "one",
     "temperature:both": "both sides' log-probs are at another temperature than the declared one",
-    "beta": "another divergence than the declared one (beta 0 the forward KL, 1 the reverse, between the "
-            "generalized JSD)",
+    "beta": "another divergence than the declared one (beta 0 the forward KL, 1 the reverse, "
+            "between the generalized JSD)",
     "clip:entry": "the clip bounds each vocabulary entry's term before the sum (the entry clip)",
     "clip:token": "the clip bounds the position's sum, after the sum (the token clip)",
     "clip:none": "no clip",
     "tau": "the clip bounds at another tau than the declared one",
-    "normalisation:micro-batch": "the loss is the mean over micro-batches of each micro-batch's token mean, "
-                                 "not the step's sum over all its answer tokens / their number",
-    "normalisation:answer": "the loss is the mean over answers of each answer's token mean, not the step's "
-                            "sum over all its answer tokens / their number",
-    "normalisation:row": "the loss is the mean over answers of each answer's sum (the step's sum / the number of "
-                         "answers), not the step's sum / the number of its answer tokens",
-    "normalisation:sum": "the loss is the step's sum over its answer tokens, not divided by their number",
-    "normalisation:divisor": "the loss is the step's sum over its answer tokens divided by a number other than "
-                             "theirs",
+    "normalisation:micro-batch": "the loss is the mean over micro-batches of each micro-batch's "
+                                 "token mean, not the step's sum over all its answer tokens / "
+                                 "their number",
+    "normalisation:answer": "the loss is the mean over answers of each answer's token mean, not "
+                            "the step's sum over all its answer tokens / their number",
+    "normalisation:row": "the loss is the mean over answers of each answer's sum (the step's sum / "
+                         "the number of answers), not the step's sum / the number of its answer "
+                         "tokens",
+    "normalisation:sum": "the loss is the step's sum over its answer tokens, not divided by their "
+                         "number",
+    "normalisation:divisor": "the loss is the step's sum over its answer tokens divided by a "
+                             "number other than theirs",
     "skip:ignored": "the first answer positions are not left out of the loss (--skip-first-tokens)",
     "skip:counted": "the left-out first positions still count in the loss's denominator",
-    "pad-first:student": "the first answer position of each row whose student prompt is shorter than its "
-                         "micro-batch's longest is predicted from a pad's hidden state (prompts padded on the "
-                         "right, answers after the pads, logits taken from the micro-batch's prompt length)",
-    "pad-first:teacher": "the first answer position of each row whose teacher prompt is shorter than its "
-                         "micro-batch's longest is predicted from a pad's hidden state (prompts padded on the "
-                         "right, answers after the pads, logits taken from the micro-batch's prompt length)",
-    "pad-first:either": "the first answer position of rows whose prompts are shorter than their micro-batch's "
-                        "longest on both sides is predicted from a pad's hidden state (the rows cannot tell "
-                        "which side)",
-    "position-ids:student": "the answer tokens of rows with a shorter student prompt sit at position ids "
-                            "counted over the pads after the prompt, not over the real tokens",
-    "position-ids:teacher": "the answer tokens of rows with a shorter teacher prompt sit at position ids "
-                            "counted over the pads after the prompt, not over the real tokens",
-    "position-ids:either": "the answer tokens of rows with shorter prompts sit at position ids counted over "
-                           "the pads (the rows cannot tell which side)",
-    "shift:+1": "every position is one too late: position j is the output at answer token j itself (which "
-                "predicts token j + 1), not at the token before it",
-    "shift:-1": "every position is one too early: position j is the output two tokens before answer token j",
-    "prompt:student": "the student's prompt differs from the fixture's (compare your ids with each row's "
-                      "student_prompt_ids)",
-    "prompt:teacher": "the teacher's prompt differs from the fixture's (compare your ids with each row's "
-                      "teacher_prompt_ids)",
-    "logits:divided": "these logits are already divided by a temperature, though the dump's metadata (or the "
-                      "other side) says raw: dump both sides alike and say which in the metadata's logits",
-    "top-k:student:renormalised": "the divergence is taken over the student's top k entries only, both sides' "
-                                  "probabilities renormalised over them",
-    "top-k:student:tail": "the divergence is taken over the student's top k entries and one more entry holding "
-                          "the rest of each side's mass",
-    "top-k:teacher:renormalised": "the divergence is taken over the teacher's top k entries only, both sides' "
-                                  "probabilities renormalised over them",
-    "top-k:teacher:tail": "the divergence is taken over the teacher's top k entries and one more entry holding "
-                          "the rest of each side's mass",
+    "pad-first:student": "the first answer position of each row whose student prompt is shorter "
+                         "than its micro-batch's longest is predicted from a pad's hidden state "
+                         "(prompts padded on the right, answers after the pads, logits taken from "
+                         "the micro-batch's prompt length)",
+    "pad-first:teacher": "the first answer position of each row whose teacher prompt is shorter "
+                         "than its micro-batch's longest is predicted from a pad's hidden state "
+                         "(prompts padded on the right, answers after the pads, logits taken from "
+                         "the micro-batch's prompt length)",
+    "pad-first:either": "the first answer position of rows whose prompts are shorter than their "
+                        "micro-batch's longest on both sides is predicted from a pad's hidden "
+                        "state (the rows cannot tell which side)",
+    "position-ids:student": "the answer tokens of rows with a shorter student prompt sit at "
+                            "position ids counted over the pads after the prompt, not over the "
+                            "real tokens",
+    "position-ids:teacher": "the answer tokens of rows with a shorter teacher prompt sit at "
+                            "position ids counted over the pads after the prompt, not over the "
+                            "real tokens",
+    "position-ids:either": "the answer tokens of rows with shorter prompts sit at position ids "
+                           "counted over the pads (the rows cannot tell which side)",
+    "shift:+1": "every position is one too late: position j is the output at answer token j itself "
+                "(which predicts token j + 1), not at the token before it",
+    "shift:-1": "every position is one too early: position j is the output two tokens before "
+                "answer token j",
+    "prompt:student": "the student's prompt differs from the fixture's (compare your ids with each "
+                      "row's student_prompt_ids)",
+    "prompt:teacher": "the teacher's prompt differs from the fixture's (compare your ids with each "
+                      "row's teacher_prompt_ids)",
+    "logits:divided": "these logits are already divided by a temperature, though the dump's "
+                      "metadata (or the other side) says raw: dump both sides alike and say which "
+                      "in the metadata's logits",
+    "top-k:student:renormalised": "the divergence is taken over the student's top k entries only, "
+                                  "both sides' probabilities renormalised over them",
+    "top-k:student:tail": "the divergence is taken over the student's top k entries and one more "
+                          "entry holding the rest of each side's mass",
+    "top-k:teacher:renormalised": "the divergence is taken over the teacher's top k entries only, "
+                                  "both sides' probabilities renormalised over them",
+    "top-k:teacher:tail": "the divergence is taken over the teacher's top k entries and one more "
+                          "entry holding the rest of each side's mass",
     "support:full": "the value is taken over the whole vocabulary, not over the declared support",
     "clamp:halves": "each half of the sampled-token value is clamped at >= 0",
     "clamp:none": "the sampled-token value's halves are not clamped, though declared so",
-    **{f"sampled-token:{form}": f"each position's value comes from the sampled answer token y alone: {text}"
+    **{f"sampled-token:{form}": "each position's value comes from the sampled answer token y "
+                                f"alone: {text}"
        for form, (_, text) in SAMPLED_FORMS.items()},
 }
 
@@ -882,14 +966,16 @@ class Check(NamedTuple):
 def span(rows):
     """'rows 1, 2, 5' of a set of rows (at most 12 named)."""
     rows = sorted(rows)
-    named = ", ".join(map(str, rows[:12])) + (f" and {len(rows) - 12} more" if len(rows) > 12 else "")
+    named = ", ".join(map(str, rows[:12]))
+    if len(rows) > 12:
+        named += f" and {len(rows) - 12} more"
     return f"row{'s' if len(rows) > 1 else ''} {named}"
 
 
 def side_of(rows, shorter):
-    """Which side's shorter-prompt rows hold `rows` (shorter: {side: rows}, one side or both): that side,
-    'either' (every such row is shorter on both sides), 'both' (some are shorter on one side only, some on
-    the other only) or None."""
+    """Which side's shorter-prompt rows hold `rows` (shorter: {side: rows}, one side or both): that
+    side, 'either' (every such row is shorter on both sides), 'both' (some are shorter on one side
+    only, some on the other only) or None."""
     on = [side for side in shorter if rows <= shorter[side]]
     if len(on) == 2:
         return "either"
@@ -903,13 +989,14 @@ def side_causes(kind, side):
 
 
 def diagnose(hypotheses, errors, matched, lengths, shorter):
-    """(lines, causes, explained) of a comparison, explained False where positions are left that nothing names.
-    hypotheses: {name: [its causes]}, the first the fixture's (no cause); errors, matched: {name: {row: (L,)}},
-    each position's distance to the hypothesis and whether it lies within the tolerance; shorter: {side: rows
-    shorter than their micro-batch's longest prompt}, of the side compared (or of both, for the divergence). The hypothesis matching most positions explains
-    them; the positions it leaves are read by their pattern:
-      - the first position of rows with a shorter prompt, off by far more than the row's other positions
-        (PAD_FIRST_RATIO times): the first position predicted from a pad;
+    """(lines, causes, explained) of a comparison, explained False where positions are left that
+    nothing names. hypotheses: {name: [its causes]}, the first the fixture's (no cause); errors,
+    matched: {name: {row: (L,)}}, each position's distance to the hypothesis and whether it lies
+    within the tolerance; shorter: {side: rows shorter than their micro-batch's longest prompt}, of
+    the side compared (or of both, for the divergence). The hypothesis matching most positions
+    explains them; the positions it leaves are read by their pattern:
+      - the first position of rows with a shorter prompt, off by far more than the row's other
+        positions (PAD_FIRST_RATIO times): the first position predicted from a pad;
       - other positions, only in rows with a shorter prompt: position ids counted over pads;
       - every position of some rows, on one side: that side's prompt."""
     asked = next(iter(hypotheses))
@@ -917,7 +1004,8 @@ def diagnose(hypotheses, errors, matched, lengths, shorter):
     total = sum(lengths[r] for r in rows)
     count = {h: sum(int(matched[h][r].sum()) for r in rows) for h in hypotheses}
     if count[asked] == total:
-        return [f"all {total} positions match (largest difference {max_error(errors[asked]):.1e})"], [], True
+        largest = max_error(errors[asked])
+        return [f"all {total} positions match (largest difference {largest:.1e})"], [], True
     best = max(hypotheses, key=lambda h: (count[h], h == asked))
     lines, causes = [f"{count[asked]} of {total} positions match"], []
     if best != asked:
@@ -929,11 +1017,13 @@ def diagnose(hypotheses, errors, matched, lengths, shorter):
     pad_first = {r for r in rows if left[r][0] and err[r][0] > PAD_FIRST_RATIO * rest(r)}
     where = side_of(pad_first, shorter) if pad_first else None
     if where:
-        of = f" ({len(pad_first)} of the {len(shorter[where])} shorter rows)" if where in shorter else ""
+        of = ""
+        if where in shorter:
+            of = f" ({len(pad_first)} of the {len(shorter[where])} shorter rows)"
         against = "the fixture's" if best == asked else f"those of {best}"
         lines.append(f"the first position of {span(pad_first)}{of} differs from {against} by up to "
-                     f"{max(float(err[r][0]) for r in pad_first):.3g}, their other positions by at most "
-                     f"{max(rest(r) for r in pad_first):.1e}")
+                     f"{max(float(err[r][0]) for r in pad_first):.3g}, their other positions by at "
+                     f"most {max(rest(r) for r in pad_first):.1e}")
         causes += side_causes("pad-first", where)
         for r in pad_first:
             left[r][0] = False
@@ -944,8 +1034,8 @@ def diagnose(hypotheses, errors, matched, lengths, shorter):
     largest = max(float(err[r][left[r]].max()) for r in drift)
     where = side_of(drift, shorter)
     if where:
-        lines.append(f"{n} positions of {span(drift)}, every one a row with a shorter prompt than its "
-                     f"micro-batch's longest, differ (by up to {largest:.1e})")
+        lines.append(f"{n} positions of {span(drift)}, every one a row with a shorter prompt than "
+                     f"its micro-batch's longest, differ (by up to {largest:.1e})")
         causes += side_causes("position-ids", where)
         return lines, causes, True
     if len(shorter) == 1 and all(left[r].all() for r in drift):
@@ -953,8 +1043,8 @@ def diagnose(hypotheses, errors, matched, lengths, shorter):
         causes.append(f"prompt:{next(iter(shorter))}")
         return lines, causes, True
     worst = max((float(err[r][j]), r, j) for r in drift for j in range(lengths[r]) if left[r][j])
-    lines.append(f"{n} positions of {span(drift)} differ; the largest difference, {worst[0]:.3g}, at "
-                 f"row {worst[1]} position {worst[2]}")
+    lines.append(f"{n} positions of {span(drift)} differ; the largest difference, {worst[0]:.3g}, "
+                 f"at row {worst[1]} position {worst[2]}")
     return lines, causes, False
 
 
@@ -963,8 +1053,8 @@ def max_error(per_row):
 
 
 def side_numbers(dump, side):
-    """(key, {row: float64 tensor}): the side's numbers in the dump, its log-probs, logits or sampled-token
-    log-probs, whichever every row holds; (None, {}) if none."""
+    """(key, {row: float64 tensor}): the side's numbers in the dump, its log-probs, logits or
+    sampled-token log-probs, whichever every row holds; (None, {}) if none."""
     for key in (f"{side}_logprobs", f"{side}_logits", f"{side}_token_logprobs"):
         if dump.rows and all(key in t for t in dump.rows.values()):
             return key, {r: t[key].double() for r, t in dump.rows.items()}
@@ -972,15 +1062,17 @@ def side_numbers(dump, side):
 
 
 def compare_side(ref, dump, side, declared, size, divided=False, inferred=False, own_prompts=False):
-    """Check: the side's log-probs (or logits: raw, or already divided by the temperature when `divided`;
-    `inferred`: the form read from the numbers, the dump not saying; or the sampled token's log-probs) at every
-    answer position, against the reference's; the temperature they are at, fitted; and against what positions
-    shifted by one or position ids counted over the pads of micro-batches of `size` rows would give."""
+    """Check: the side's log-probs (or logits: raw, or already divided by the temperature when
+    `divided`; `inferred`: the form read from the numbers, the dump not saying; or the sampled
+    token's log-probs) at every answer position, against the reference's; the temperature they are
+    at, fitted; and against what positions shifted by one or position ids counted over the pads of
+    micro-batches of `size` rows would give."""
     name = f"{side} log-probs"
     key, numbers = side_numbers(dump, side)
     if key is None:
-        return Check(name, "not checked", [f"the dump holds no {side}_logprobs (nor {side}_logits, nor "
-                                           f"{side}_token_logprobs) for every row"], [])
+        return Check(name, "not checked",
+                     [f"the dump holds no {side}_logprobs (nor {side}_logits, nor "
+                      f"{side}_token_logprobs) for every row"], [])
     T = getattr(declared, f"{side}_t")
     logits = key.endswith("_logits")
     token = key.endswith("_token_logprobs")
@@ -992,9 +1084,12 @@ def compare_side(ref, dump, side, declared, size, divided=False, inferred=False,
     for row, v in sorted(numbers.items()):
         want = None
         if row < len(ref.rows):
-            want = (ref.lengths[row],) if token else (ref.lengths[row], ref.logits[side][row].shape[-1])
+            want = (ref.lengths[row], ref.logits[side][row].shape[-1])
+            if token:
+                want = (ref.lengths[row],)
         if tuple(v.shape) != want:
-            lines.append(f"row {row}: shape {tuple(v.shape)}, the fixture's {want or 'has no such row'}")
+            lines.append(f"row {row}: shape {tuple(v.shape)}, the fixture's "
+                         f"{want or 'has no such row'}")
             continue
         x[row] = torch.log_softmax(v, -1) if logits else v
     if lines:
@@ -1015,8 +1110,10 @@ def compare_side(ref, dump, side, declared, size, divided=False, inferred=False,
         return sum(int((e <= TOL_LOGPROB).sum()) for e in errors(temperature).values())
 
     total = sum(ref.lengths[r] for r in x)
-    fitted = minimise(lambda t: sum(float(e.sum()) for e in errors(t).values()), *TEMPERATURES, log=True)
-    hypotheses = {"the fixture": ({"temperature": expected}, [])}  # name: (errors' arguments, causes)
+    fitted = minimise(lambda t: sum(float(e.sum()) for e in errors(t).values()), *TEMPERATURES,
+                      log=True)
+    # name: (errors' arguments, causes)
+    hypotheses = {"the fixture": ({"temperature": expected}, [])}
     moved = not same(fitted, expected) and count(fitted) > max(count(expected), total // 2)
     notes = {}
     temperatures = [(expected, None, "")]
@@ -1032,18 +1129,22 @@ def compare_side(ref, dump, side, declared, size, divided=False, inferred=False,
     for t, cause, label in temperatures:
         for offset in (1, -1):
             hypotheses[", ".join(filter(None, [label, f"positions shifted by {offset:+d}"]))] = (
-                {"temperature": t, "offset": offset}, ([cause] if cause else []) + [f"shift:{offset:+d}"])
+                {"temperature": t, "offset": offset},
+                ([cause] if cause else []) + [f"shift:{offset:+d}"])
     hypotheses["position ids counted over the pads"] = ({"temperature": expected, "padded": size},
                                                         [f"position-ids:{side}"])
     errs = {h: errors(**kw) for h, (kw, _) in hypotheses.items()}
     matched = {h: {r: e <= TOL_LOGPROB for r, e in errs[h].items()} for h in hypotheses}
-    found, causes, _ = diagnose({h: c for h, (_, c) in hypotheses.items()}, errs, matched, ref.lengths,
+    found, causes, _ = diagnose({h: c for h, (_, c) in hypotheses.items()}, errs, matched,
+                                ref.lengths,
                                 {side: ref.shorter(side, size)})
     if logits:
-        unit = (f"logits already divided by T = {T:g}" if divided else
-                "raw logits (before the temperature, which cannot be seen in them)") + \
-            (" (read from the numbers: say which in the dump's metadata logits)" if inferred and T != 1.0 else "") + \
-            ", log-softmaxed"
+        unit = "raw logits (before the temperature, which cannot be seen in them)"
+        if divided:
+            unit = f"logits already divided by T = {T:g}"
+        if inferred and T != 1.0:
+            unit += " (read from the numbers: say which in the dump's metadata logits)"
+        unit += ", log-softmaxed"
     elif token:
         unit = f"the sampled token's log-probs at temperature {T:g}"
     else:
@@ -1057,7 +1158,8 @@ def compare_side(ref, dump, side, declared, size, divided=False, inferred=False,
     if raw and not moved:
         identified = f"{side}: raw logits (the temperature is not in them; the divergence shows it)"
     else:
-        identified = f"{side}: log-probs at T {at:.4g} (fitted: {fitted:.4g}), |delta log p| up to {residual:.1e}"
+        identified = f"{side}: log-probs at T {at:.4g} (fitted: {fitted:.4g}), " \
+                     f"|delta log p| up to {residual:.1e}"
         if raw:
             identified = f"{side}: logits divided by {at:.4g}, |delta log p| up to {residual:.1e}"
     return Check(name, "matches" if ok else "differs", [head, *found[1:]], causes,
@@ -1065,10 +1167,10 @@ def compare_side(ref, dump, side, declared, size, divided=False, inferred=False,
 
 
 def logits_form(ref, dump, T):
-    """(divided, inferred): whether the dumped logits are already divided by the temperature T, and whether that
-    was read from the numbers (the metadata not saying). Read from the numbers, both sides together: the form
-    under which more of their positions match the reference (a tie, e.g. one side each, reads as divided: a
-    peer that divides its logits by T and forgets one side)."""
+    """(divided, inferred): whether the dumped logits are already divided by the temperature T, and
+    whether that was read from the numbers (the metadata not saying). Read from the numbers, both
+    sides together: the form under which more of their positions match the reference (a tie, e.g.
+    one side each, reads as divided: a peer that divides its logits by T and forgets one side)."""
     if dump.logits is not None:
         return dump.logits == "divided", False
     sides = [s for s in SIDES if dump.rows and all(f"{s}_logits" in t and f"{s}_logprobs" not in t
@@ -1081,15 +1183,16 @@ def logits_form(ref, dump, T):
         for side in sides:
             for row, tensors in dump.rows.items():
                 x = tensors[f"{side}_logits"].double()
-                if row < len(ref.rows) and tuple(x.shape) == (ref.lengths[row], ref.logits[side][row].shape[-1]):
+                if row < len(ref.rows) and tuple(x.shape) == (ref.lengths[row],
+                                                              ref.logits[side][row].shape[-1]):
                     e = (torch.log_softmax(x, -1) - ref.log_probs(side, row, t)).abs().amax(-1)
                     count[t] += int((e <= TOL_LOGPROB).sum())
     return count[T] >= count[1.0] and count[T] > 0, True
 
 
 def own_numbers(dump, rows, divided):
-    """{side: Numbers} of the dump's own numbers over `rows`, concatenated (raw logits keep their temperature
-    a parameter), or None if a side has none."""
+    """{side: Numbers} of the dump's own numbers over `rows`, concatenated (raw logits keep their
+    temperature a parameter), or None if a side has none."""
     out = {}
     for side in SIDES:
         key, numbers = side_numbers(dump, side)
@@ -1108,27 +1211,31 @@ def own_numbers(dump, rows, divided):
 
 
 def reference_numbers(ref, rows, offset=0, padded=(), size=None):
-    """{side: Numbers} of the reference's raw logits over `rows`, concatenated (positions shifted by `offset`;
-    `padded`: the sides whose answers sit at position ids counted over the pads of micro-batches of `size`)."""
+    """{side: Numbers} of the reference's raw logits over `rows`, concatenated (positions shifted by
+    `offset`; `padded`: the sides whose answers sit at position ids counted over the pads of
+    micro-batches of `size`)."""
     out = {}
     for side in SIDES:
         logits = ref.logits[side] if side not in padded else ref.padded_logits(side, size)
-        out[side] = Numbers(logits=torch.cat([logits[r][1 + offset:1 + offset + ref.lengths[r]] for r in rows]))
+        out[side] = Numbers(logits=torch.cat([logits[r][1 + offset:1 + offset + ref.lengths[r]]
+                                              for r in rows]))
     return out
 
 
 def compare_divergence(ref, dump, declared, skip, size, divided=False, own_prompts=False):
-    """(Check, the peer's per-position values {row: (L,)} or None): the per-position values, against the
-    reference's under the declared configuration; what configuration explains them, fitted to the peer's own
-    log-probs when it dumped them, else to the reference's (with the positions shifted or counted over pads)."""
+    """(Check, the peer's per-position values {row: (L,)} or None): the per-position values, against
+    the reference's under the declared configuration; what configuration explains them, fitted to
+    the peer's own log-probs when it dumped them, else to the reference's (with the positions
+    shifted or counted over pads)."""
     name = "divergence"
     if not dump.rows or not all("divergence" in t for t in dump.rows.values()):
         return Check(name, "not checked", ["the dump holds no divergence for every row"], []), None
     peer = {r: t["divergence"].double() for r, t in dump.rows.items()}
     bad = [r for r in peer if r >= len(ref.rows) or peer[r].shape != (ref.lengths[r],)]
     if bad:
-        return Check(name, "differs", [f"row {r}: {tuple(peer[r].shape)} values, the fixture's answer has "
-                                       f"{ref.lengths[r] if r < len(ref.rows) else 'no such row'} positions"
+        return Check(name, "differs",
+                     [f"row {r}: {tuple(peer[r].shape)} values, the fixture's answer has "
+                      f"{ref.lengths[r] if r < len(ref.rows) else 'no such row'} positions"
                                        for r in bad[:5]], []), None
     rows = sorted(peer)
     lengths = [ref.lengths[r] for r in rows]
@@ -1154,13 +1261,16 @@ def compare_divergence(ref, dump, declared, skip, size, divided=False, own_promp
     largest = float(((P - asked).abs() * kept).max())
     if n == total:
         return Check(name, "matches", [head + f" (largest difference {largest:.1e})"], [],
-                     found=f"the value: {kind_of(declared)}, {describe(declared)} (as declared), all {total} "
-                           f"positions within tolerance (largest difference {largest:.1e})"), peer
+                     found=f"the value: {kind_of(declared)}, {describe(declared)} (as declared), "
+                           f"all {total} positions within tolerance (largest difference "
+                           f"{largest:.1e})"), peer
     own = own_numbers(dump, rows, divided)
     if own is not None:
         fit = Fit(own["student"], own["teacher"], y, P, kept, declared)
         count, c, note = fit.identify()[0]
-        numbers = "log-probs" if own["student"].full and own["teacher"].full else "sampled-token log-probs"
+        numbers = "sampled-token log-probs"
+        if own["student"].full and own["teacher"].full:
+            numbers = "log-probs"
         if own["student"].free or own["teacher"].free:
             numbers = "logits"
         said = describe(c, numbers == "logits")
@@ -1169,28 +1279,35 @@ def compare_divergence(ref, dump, declared, skip, size, divided=False, own_promp
             largest = float(((P - fit.values(c)).abs() * kept).max())
             lines = [head, f"every position equals {said}, from your {numbers}"]
             if not causes:
-                lines[1] = "every position is computed as asked from your log-probs, so the differences come from " \
-                           "the log-probs (above)"
+                lines[1] = "every position is computed as asked from your log-probs, so the " \
+                           "differences come from the log-probs (above)"
             return Check(name, "differs", lines, [cause for cause, _ in causes], dict(causes),
-                         f"the value: {kind_of(c)}, {said}, from your {numbers}: all {total} positions within "
-                         f"tolerance (largest difference {largest:.1e})"), peer
-        lines = [head, f"no configuration tried explains your values from your own {numbers} within tolerance"]
+                         f"the value: {kind_of(c)}, {said}, from your {numbers}: all {total} "
+                         f"positions within tolerance (largest difference {largest:.1e})"), peer
+        lines = [head,
+                 f"no configuration tried explains your values from your own {numbers} within "
+                 "tolerance"]
         if count >= HINT_SHARE * total and not fit.degenerate(c):
-            lines.append(f"the nearest, {said}, matches {count} of {total} positions ({count / total:.0%})")
-        return Check(name, "differs", lines, [], found="the value: no configuration tried explains it"), peer
-    # no numbers of its own: the reference's, under the declared configuration with the positions shifted or
-    # counted over pads, then every configuration fitted
+            lines.append(f"the nearest, {said}, matches {count} of {total} positions "
+                         f"({count / total:.0%})")
+        return Check(name, "differs", lines, [],
+                     found="the value: no configuration tried explains it"), peer
+    # no numbers of its own: the reference's, under the declared configuration with the positions
+    # shifted or counted over pads, then every configuration fitted
     hypotheses = {"the fixture": (asked, [])}
     for offset in (1, -1):
-        hypotheses[f"positions shifted by {offset:+d}"] = (fixture_values(offset=offset), [f"shift:{offset:+d}"])
+        hypotheses[f"positions shifted by {offset:+d}"] = (fixture_values(offset=offset),
+                                                           [f"shift:{offset:+d}"])
     for sides in (("student",), ("teacher",), SIDES):
         hypotheses[f"position ids counted over the pads ({' and '.join(sides)})"] = (
             fixture_values(padded=sides, size=size), [f"position-ids:{s}" for s in sides])
     shorter = {side: ref.shorter(side, size) for side in SIDES}
 
     def read(hypotheses):  # diagnose's reading, over the positions in the loss
-        errors = {h: {r: e[skip:] for r, e in per_row((P - v).abs()).items()} for h, (v, _) in hypotheses.items()}
-        matched = {h: {r: m[skip:] for r, m in per_row(close(P, v)).items()} for h, (v, _) in hypotheses.items()}
+        errors, matched = {}, {}
+        for h, (v, _) in hypotheses.items():
+            errors[h] = {r: e[skip:] for r, e in per_row((P - v).abs()).items()}
+            matched[h] = {r: m[skip:] for r, m in per_row(close(P, v)).items()}
         return diagnose({h: c for h, (_, c) in hypotheses.items()}, errors, matched,
                         {r: max(0, ref.lengths[r] - skip) for r in rows}, shorter)
 
@@ -1211,13 +1328,13 @@ def compare_divergence(ref, dump, declared, skip, size, divided=False, own_promp
                 identified = f"the value: {kind_of(c)}, {label}" + (
                     f": all {total} positions within tolerance" if count == total else "")
         if not explained and count >= HINT_SHARE * total and not fit.degenerate(c):
-            found.append(f"the nearest configuration tried, {describe(c)}, matches {count} of {total} positions "
-                         f"({count / total:.0%})")
+            found.append(f"the nearest configuration tried, {describe(c)}, matches {count} of "
+                         f"{total} positions ({count / total:.0%})")
     if not explained:
         found.append("no configuration tried explains your values within tolerance")
         identified = "the value: no configuration tried explains it"
-    return Check(name, "differs", [head, *found[1:]], causes, {c: t for c, t in notes.items() if c in causes and t},
-                 identified), peer
+    notes = {c: t for c, t in notes.items() if c in causes and t}
+    return Check(name, "differs", [head, *found[1:]], causes, notes, identified), peer
 
 
 def setting_figures(ref, setting):
@@ -1227,8 +1344,8 @@ def setting_figures(ref, setting):
 
 
 def compare_loss(ref, dump, skip, peer_values, source, expected):
-    """Check: the loss, against the expected one; its normalisation from per-position values `peer_values`
-    ({row: (L,)}, from `source`)."""
+    """Check: the loss, against the expected one; its normalisation from per-position values
+    `peer_values` ({row: (L,)}, from `source`)."""
     name = "loss"
     if dump.loss is None:
         return Check(name, "not checked", ["the dump states no loss"], [])
@@ -1239,17 +1356,21 @@ def compare_loss(ref, dump, skip, peer_values, source, expected):
         ["normalisation:micro-batch"], normalised(values, "micro-batch", size, skip))
     candidates["the mean of answers' token means"] = (["normalisation:answer"],
                                                       normalised(values, "answer", size, skip))
-    candidates["the mean of answers' sums"] = (["normalisation:row"], normalised(values, "row", size, skip))
+    candidates["the mean of answers' sums"] = (["normalisation:row"],
+                                               normalised(values, "row", size, skip))
     candidates["the step's sum"] = (["normalisation:sum"], normalised(values, "sum", size, skip))
     if skip:
-        candidates["the step's token mean over every position"] = (["skip:ignored"],
-                                                                   normalised(values, "step", size, 0))
+        candidates["the step's token mean over every position"] = (
+            ["skip:ignored"], normalised(values, "step", size, 0))
         candidates[f"the sum over positions {skip} on / every position's number"] = (
             ["skip:counted"], normalised(values, "step", size, skip, count_skipped=True))
     rel = lambda a, b: (a - b) / max(abs(b), 1e-30)  # noqa: E731
     hits = [h for h, (_, v) in candidates.items() if abs(rel(dump.loss, v)) <= TOL_LOSS]
-    lines = [f"your loss {dump.loss:.9g}" + (f" ({dump.normalisation})" if dump.normalisation else "")
-             + f"; the expected {expected:.9g} ({rel(dump.loss, expected):+.2e} relative)"]
+    named = ""
+    if dump.normalisation:
+        named = f" ({dump.normalisation})"
+    lines = [f"your loss {dump.loss:.9g}{named}; the expected {expected:.9g} "
+             f"({rel(dump.loss, expected):+.2e} relative)"]
     lines.append(f"from {source}: " + "; ".join(f"{h} {v:.9g}" for h, (_, v) in candidates.items()))
     causes, notes = [], {}
     step = candidates["the step's token mean"][1]
@@ -1257,17 +1378,21 @@ def compare_loss(ref, dump, skip, peer_values, source, expected):
     identified = None
     if len(hits) == 1:
         causes = candidates[hits[0]][0]
-        lines.append(f"your loss is {hits[0]}" + (f" ({rel(dump.loss, step):+.2%} against the step's token mean)"
+        lines.append(f"your loss is {hits[0]}"
+                     + (f" ({rel(dump.loss, step):+.2%} against the step's token mean)"
                                                   if causes else ""))
-        identified = f"the loss: {hits[0]}, {abs(rel(dump.loss, candidates[hits[0]][1])):.1e} relative from it"
+        off = abs(rel(dump.loss, candidates[hits[0]][1]))
+        identified = f"the loss: {hits[0]}, {off:.1e} relative from it"
     elif hits:
-        lines.append("your loss equals several of these (they coincide at this setting): " + ", ".join(hits))
+        lines.append("your loss equals several of these (they coincide at this setting): "
+                     + ", ".join(hits))
     elif dump.loss != 0 and total != 0:
         divisor = total / dump.loss
-        lines.append(f"your loss is none of these normalisations of those values: it is the step's sum divided by "
-                     f"{divisor:.6g}")
+        lines.append("your loss is none of these normalisations of those values: it is the step's "
+                     f"sum divided by {divisor:.6g}")
         if source.startswith("your"):
-            causes, notes = ["normalisation:divisor"], {"normalisation:divisor": f"divided by {divisor:.6g}"}
+            causes = ["normalisation:divisor"]
+            notes = {"normalisation:divisor": f"divided by {divisor:.6g}"}
         identified = f"the loss: the step's sum / {divisor:.6g}"
     else:
         lines.append("your loss is none of these normalisations of those values")
@@ -1283,18 +1408,23 @@ def compare_prompts(ref, dump):
             if f"{side}_prompt_ids" not in tensors:
                 continue
             dumped += 1
-            ours, theirs = ref.rows[row][f"{side}_prompt_ids"], tensors[f"{side}_prompt_ids"].tolist()
+            ours = ref.rows[row][f"{side}_prompt_ids"]
+            theirs = tensors[f"{side}_prompt_ids"].tolist()
             if ours != theirs:
-                at = next((i for i, (a, b) in enumerate(zip(ours, theirs)) if a != b), min(len(ours), len(theirs)))
-                lines.append(f"row {row}, {side}: {len(theirs)} ids, the fixture's {len(ours)}; the first "
-                             f"difference at token {at} (the fixture's ids {ours[max(0, at - 2):at + 3]}, yours "
+                at = next((i for i, (a, b) in enumerate(zip(ours, theirs)) if a != b),
+                          min(len(ours), len(theirs)))
+                lines.append(f"row {row}, {side}: {len(theirs)} ids, the fixture's {len(ours)}; "
+                             f"the first difference at token {at} (the fixture's ids "
+                             f"{ours[max(0, at - 2):at + 3]}, yours "
                              f"{theirs[max(0, at - 2):at + 3]})")
                 causes.append(f"prompt:{side}")
     if not dumped:
         return Check("prompts", "not checked", ["the dump holds no prompt ids"], [])
     if not lines:
-        return Check("prompts", "matches", [f"all {dumped} dumped prompts are the fixture's, token for token"], [])
-    return Check("prompts", "differs", [f"{len(lines)} of {dumped} dumped prompts differ", *lines[:6]],
+        return Check("prompts", "matches",
+                     [f"all {dumped} dumped prompts are the fixture's, token for token"], [])
+    return Check("prompts", "differs", [f"{len(lines)} of {dumped} dumped prompts differ",
+                                        *lines[:6]],
                  list(dict.fromkeys(causes)))
 
 
@@ -1308,36 +1438,42 @@ def compare_batches(dump):
         if missing:
             lines.append(f"micro-batch {k}, {side}: no {', '.join(missing)}")
             continue
-        for cause, sentence in batch_problems(t["input_ids"], t["attention_mask"], t["position_ids"],
+        for cause, sentence in batch_problems(t["input_ids"], t["attention_mask"],
+                                              t["position_ids"],
                                               t["answer_mask"], t.get("scored_mask")):
             lines.append(f"micro-batch {k}, {side}, {sentence}")
             if cause:
                 causes.append(cause if cause.startswith("shift") else f"{cause}:{side}")
     if not lines:
-        return Check("batch", "matches", [f"all {len(dump.batches)} micro-batch inputs (both sides) keep each "
-                                          "row's tokens contiguous, answer token 0 after the prompt's last"], [])
+        return Check("batch", "matches",
+                     [f"all {len(dump.batches)} micro-batch inputs (both sides) keep each row's "
+                      "tokens contiguous, answer token 0 after the prompt's last"], [])
     shown = lines[:8] + ([f"... and {len(lines) - 8} more"] if len(lines) > 8 else [])
-    return Check("batch", "differs", [f"{len(lines)} broken invariants", *shown], list(dict.fromkeys(causes)))
+    return Check("batch", "differs", [f"{len(lines)} broken invariants", *shown],
+                 list(dict.fromkeys(causes)))
 
 
 def declared_config(dump, fixture):
-    """(Config, skip_first_tokens, whether it is a stored setting as stored): the fixture's setting the dump
-    names, with what its metadata declares besides (DECLARABLE)."""
+    """(Config, skip_first_tokens, whether it is a stored setting as stored): the fixture's setting
+    the dump names, with what its metadata declares besides (DECLARABLE)."""
     settings = fixture["settings"]
     if dump.setting is not None and dump.setting not in settings:
-        raise SystemExit(f"verify.py: setting {dump.setting!r} is not one of the fixture's: {', '.join(settings)} "
-                         "(or declare your own: temperature, beta, tau, skip_first_tokens, support).")
+        raise SystemExit(f"verify.py: setting {dump.setting!r} is not one of the fixture's: "
+                         f"{', '.join(settings)} (or declare your own: temperature, beta, tau, "
+                         "skip_first_tokens, support).")
     if dump.clip not in CLIPS:
-        raise SystemExit(f"verify.py: clip {dump.clip!r} is not one of {', '.join(CLIPS)} "
-                         "(a peer without a clip compares with 'none').")
+        raise SystemExit(f"verify.py: clip {dump.clip!r} is not one of {', '.join(CLIPS)} (a peer "
+                         "without a clip compares with 'none').")
     setting = {"skip_first_tokens": 0, "support": "full"}
     if dump.setting is not None:
         setting.update(settings[dump.setting])
     stored = not dump.declared
     setting.update(dump.declared)
     if "tau" not in setting and dump.clip != "none":
-        raise SystemExit("verify.py: the dump's clip acts at a tau its metadata does not give: declare 'tau'.")
-    for key, ok, rule in (("temperature", lambda v: v > 0, "above 0"), ("beta", lambda v: 0 <= v <= 1,
+        raise SystemExit("verify.py: the dump's clip acts at a tau its metadata does not give: "
+                         "declare 'tau'.")
+    for key, ok, rule in (("temperature", lambda v: v > 0, "above 0"), ("beta",
+                                                                        lambda v: 0 <= v <= 1,
                           "from 0 to 1"), ("tau", lambda v: v > 0, "above 0"),
                           ("skip_first_tokens", lambda v: v >= 0, "0 or more")):
         if key in setting and not ok(setting[key]):
@@ -1355,12 +1491,15 @@ def verify(dump, ref):
     checks = [compare_batches(dump), compare_prompts(ref, dump)]
     theirs = {side: {r: t[f"{side}_prompt_ids"].tolist() for r, t in dump.rows.items()
                      if f"{side}_prompt_ids" in t and r < len(ref.rows)
-                     and t[f"{side}_prompt_ids"].tolist() != ref.rows[r][f"{side}_prompt_ids"]} for side in SIDES}
+                     and t[f"{side}_prompt_ids"].tolist() != ref.rows[r][f"{side}_prompt_ids"]}
+              for side in SIDES}
     peer_ref = ref.with_prompts(theirs)  # what else differs is read with the peer's own prompts
     divided, inferred = logits_form(peer_ref, dump, declared.student_t)
-    sides = [compare_side(peer_ref, dump, side, declared, size, divided, inferred, bool(theirs[side]))
+    sides = [compare_side(peer_ref, dump, side, declared, size, divided, inferred,
+                          bool(theirs[side]))
              for side in SIDES]
-    if all("logits:divided" in c.causes for c in sides):  # the dump says raw; both sides show them divided
+    if all("logits:divided" in c.causes
+           for c in sides):  # the dump says raw; both sides show them divided
         divided = True
     checks += sides
     divergence_check, values = compare_divergence(peer_ref, dump, declared, skip, size, divided,
@@ -1382,24 +1521,27 @@ def verify(dump, ref):
         source = "your log-probs' values"
         if own is None:
             own, source = reference_numbers(peer_ref, rows), "the reference's per-position values"
-        values = dict(enumerate(config_values(declared, own["student"], own["teacher"], y).split(lengths)))
+        values = dict(enumerate(config_values(declared, own["student"], own["teacher"],
+                                              y).split(lengths)))
     checks += [divergence_check, compare_loss(ref, dump, skip, values, source, expected)]
     return rule_out(checks, ruled_out(dump, ref, size))
 
 
 def ruled_out(dump, ref, size):
-    """{cause: the check that rules it out}: a side's prompt, when every row's prompt ids on that side were dumped
-    and are the fixture's; a side's pad-predicted first position and pad-counted position ids, when every
-    micro-batch of that side was dumped and keeps the batch's invariants."""
+    """{cause: the check that rules it out}: a side's prompt, when every row's prompt ids on that
+    side were dumped and are the fixture's; a side's pad-predicted first position and pad-counted
+    position ids, when every micro-batch of that side was dumped and keeps the batch's
+    invariants."""
     out = {}
     for side in SIDES:
-        if all(f"{side}_prompt_ids" in dump.rows.get(r, {}) and dump.rows[r][f"{side}_prompt_ids"].tolist()
+        if all(f"{side}_prompt_ids" in dump.rows.get(r, {})
+               and dump.rows[r][f"{side}_prompt_ids"].tolist()
                == ref.rows[r][f"{side}_prompt_ids"] for r in range(len(ref.rows))):
             out[f"prompt:{side}"] = "prompts"
         batches = [dump.batches.get((k, side)) for k in range(-(-len(ref.rows) // size))]
         if all(b is not None and all(n in b for n in BATCH_TENSORS[:4]) and not batch_problems(
-                b["input_ids"], b["attention_mask"], b["position_ids"], b["answer_mask"], b.get("scored_mask"))
-               for b in batches):
+                b["input_ids"], b["attention_mask"], b["position_ids"], b["answer_mask"],
+                b.get("scored_mask")) for b in batches):
             out.update({f"{kind}:{side}": "batch" for kind in ("pad-first", "position-ids")})
     if all(f"pad-first:{side}" in out for side in SIDES):
         out.update({"pad-first:either": "batch", "position-ids:either": "batch"})
@@ -1407,15 +1549,16 @@ def ruled_out(dump, ref, size):
 
 
 def rule_out(checks, ruled):
-    """The checks with every cause in `ruled` taken out of their causes, a line saying so in its place: no cause
-    is named that a check which matched contradicts."""
+    """The checks with every cause in `ruled` taken out of their causes, a line saying so in its
+    place: no cause is named that a check which matched contradicts."""
     out = []
     for c in checks:
         gone = [cause for cause in c.causes if cause in ruled]
         if gone:
             c = c._replace(causes=[cause for cause in c.causes if cause not in ruled],
-                           lines=c.lines + [f"not named: {cause}, which the {ruled[cause]} check (matched) rules "
-                                            "out" for cause in gone])
+                           lines=c.lines
+                           + [f"not named: {cause}, which the {ruled[cause]} check (matched) rules "
+                              "out" for cause in gone])
         out.append(c)
     return out
 
@@ -1440,7 +1583,8 @@ def report(checks, dump, path):
     if causes:
         out.append("Likely causes (where you differ from the declared definition):")
         notes = {c: n for check in checks for c, n in check.notes.items()}
-        out += [f"  - {c}: {CAUSES[c]}" + (f" ({notes[c]})" if notes.get(c) else "") for c in causes]
+        out += [f"  - {c}: {CAUSES[c]}" + (f" ({notes[c]})" if notes.get(c) else "")
+                for c in causes]
     elif any(c.status == "differs" for c in checks):
         out.append("No cause is identified by the numbers: see the differences above.")
     else:
