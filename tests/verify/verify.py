@@ -70,17 +70,24 @@ def row_logits(model, prompt, completion, gap=0):
     return out[P - 2:P + L]
 
 
-def divergence_terms(log_s, log_t, beta):
-    """(..., V) terms d_v whose sum over the vocabulary is the position's divergence, from both
-    sides' log-probs at the loss temperature:
+def divergence_terms(log_s, log_t, beta, form="term", w=0.5):
+    """(..., V) terms d_v whose sum over the vocabulary is the position's value, from both sides'
+    log-probs at the loss temperature. Form "term", the divergence of beta:
       beta 0:  p_T(v) (log p_T(v) - log p_S(v))                  forward KL(T || S)
       beta 1:  p_S(v) (log p_S(v) - log p_T(v))                  reverse KL(S || T)
       else:    beta KL_v(T || M) + (1 - beta) KL_v(S || M),      M = beta p_T + (1 - beta) p_S
+    Form "mixed", the two KLs weighted by w (beta unused): w KL_v(T || S) + (1 - w) KL_v(S || T).
+    Form "cross-entropy": -p_T(v) log p_S(v), whose sum is KL(T || S) plus the teacher's entropy.
     A zero probability contributes zero, whatever its log."""
     def term(log_p, log_q):  # p (log p - log q), 0 where p = 0
         p = log_p.exp()
         return torch.where(p > 0, p * (log_p - log_q), torch.zeros_like(p))
 
+    if form == "mixed":
+        return w * term(log_t, log_s) + (1.0 - w) * term(log_s, log_t)
+    if form == "cross-entropy":
+        p_t = log_t.exp()
+        return torch.where(p_t > 0, -p_t * log_s, torch.zeros_like(p_t))
     if beta == 0.0:
         return term(log_t, log_s)
     if beta == 1.0:
@@ -89,29 +96,32 @@ def divergence_terms(log_s, log_t, beta):
     return beta * term(log_t, log_m) + (1.0 - beta) * term(log_s, log_m)
 
 
-def divergence(log_s, log_t, *, beta, clip, tau):
+def divergence(log_s, log_t, *, beta, clip, tau, form="term", w=0.5):
     """(...,) each position's loss term: "entry" clips each d_v at tau before the sum, "token" clips
     the sum at tau, "none" leaves it."""
-    d = divergence_terms(log_s, log_t, beta)
+    d = divergence_terms(log_s, log_t, beta, form, w)
     if clip == "entry":
         return d.clamp(max=tau).sum(-1)
     k = d.sum(-1)
     return k.clamp(max=tau) if clip == "token" else k
 
 
-# What the field also computes: the divergence over one side's top k entries, renormalised over them
-# or with one more entry for the rest of each side's mass; and one value from the sampled answer
-# token y alone.
+# What the field also computes: the divergence over one side's top k entries, renormalised over
+# them, with one more entry for the rest of each side's mass, or one side renormalised and the
+# other's log-probs used as they are; and one value from the sampled answer token y alone.
 
-def top_k_log_probs(log_s, log_t, k, tail, order):
+def top_k_log_probs(log_s, log_t, k, tail, order, raw=""):
     """Both sides' (..., k) log-probs on the top k entries of one side, renormalised over them (tail
-    False) or (..., k + 1) with a last entry log(1 - their mass) holding the rest (tail True).
-    order: (..., >= k) that side's entries, largest first (its argsort, descending)."""
+    False) or (..., k + 1) with a last entry log(1 - their mass) holding the rest (tail True); the
+    side named by `raw` keeps its log-probs there as they are (their sum below 1). order: (..., >=
+    k) that side's entries, largest first (its argsort, descending)."""
     out = []
-    for log_p in (log_s, log_t):
+    for side, log_p in zip(SIDES, (log_s, log_t)):
         top = log_p.gather(-1, order[..., :k])
         mass = torch.logsumexp(top, -1, keepdim=True)
-        if tail:
+        if side == raw:
+            out.append(top)
+        elif tail:
             out.append(torch.cat([top, torch.log(-torch.expm1(mass.clamp(max=0.0)))], -1))
         else:
             out.append(top - mass)
@@ -120,7 +130,10 @@ def top_k_log_probs(log_s, log_t, k, tail, order):
 
 # The values a peer can take from the sampled token y alone, a = log p_S(y) and b = log p_T(y) (y
 # drawn from the student). Their kind: a divergence's term, an estimator of a divergence, or a
-# policy-gradient surrogate.
+# policy-gradient surrogate. An estimator's gradient through log p_S(y), with y drawn from the
+# student, averages to zero; the two surrogates hold the advantage A = log p_T(y) - log p_S(y)
+# fixed, so that theirs is the reverse KL's policy gradient, -A grad log p_S(y), whose average is
+# the reverse KL's gradient.
 SAMPLED_FORMS = {
     "term": ("a divergence's term", "its term at y, d_y"),
     "estimate": ("an estimator",
@@ -128,16 +141,21 @@ SAMPLED_FORMS = {
     "k2": ("an estimator", "(log p_S(y) - log p_T(y))^2 / 2, an estimate of the reverse KL"),
     "k3": ("an estimator",
            "p_T(y) / p_S(y) - 1 - log(p_T(y) / p_S(y)), an estimate of the reverse KL"),
-    "surrogate": ("a policy-gradient surrogate",
+    "surrogate": ("a policy-gradient surrogate (REINFORCE's)",
                   "-(log p_T(y) - log p_S(y)) log p_S(y), the advantage log p_T(y) - log p_S(y) "
-                  "held fixed (its gradient is the sampled estimate of the reverse KL's; its value "
-                  "is no divergence)"),
+                  "held fixed (its gradient is the reverse KL's policy gradient; its value is no "
+                  "divergence)"),
+    "importance": ("an importance-sampling surrogate",
+                   "-exp(log p_S(y) - log p_sampler(y)) (log p_T(y) - log p_S(y)), the advantage "
+                   "held fixed: at ratio 1 its value is log p_S(y) - log p_T(y) and its gradient "
+                   "the reverse KL's policy gradient"),
 }
 
 
-def sampled_value(a, b, form, beta, clamp=False):
-    """(N,) one value per position from a = log p_S(y), b = log p_T(y) (SAMPLED_FORMS). The
-    divergence's halves, for "term" and "estimate" (their sum; one half at beta 0 or 1):
+def sampled_value(a, b, form, beta, clamp=False, sampler=None):
+    """(N,) one value per position from a = log p_S(y), b = log p_T(y) (SAMPLED_FORMS); sampler: the
+    sampler's log p_S(y), for "importance" (None: the same as a, the ratio 1). The divergence's
+    halves, for "term" and "estimate" (their sum; one half at beta 0 or 1):
       term:      beta p_T(y) (b - log m(y))  and  (1 - beta) p_S(y) (a - log m(y)),
                  m = beta p_T + (1 - beta) p_S
       estimate:  the same divided by p_S(y)
@@ -149,6 +167,10 @@ def sampled_value(a, b, form, beta, clamp=False):
         return torch.expm1(b - a) - (b - a)
     if form == "surrogate":
         return (a - b) * a
+    if form == "importance":
+        if sampler is None:
+            sampler = a
+        return -torch.exp(a - sampler) * (b - a)
     weight_t, weight_s = b.exp(), a.exp()
     if form == "estimate":
         weight_t, weight_s = (b - a).exp(), torch.ones_like(a)
@@ -291,12 +313,14 @@ class Reference:
 # Identification: the configuration whose values explain a peer's numbers
 
 class Config(NamedTuple):
-    """What a peer computes at each answer position: each side's temperature, the divergence (beta:
-    0 the forward KL, 1 the reverse, between the generalized JSD), the clip ("none", "entry",
-    "token") at tau, and the support the value is taken over: "full" (the whole vocabulary), "top-k"
-    (the top k entries of side `by`, renormalised over them or with a tail entry for the rest) or
-    "sampled-token" (the answer token alone, a form of SAMPLED_FORMS, its halves clamped at >= 0 or
-    not)."""
+    """What a peer computes at each answer position: each side's temperature, the value's form, the
+    clip ("none", "entry", "token") at tau, and the support the value is taken over. The support:
+    "full" (the whole vocabulary), "top-k" (the top k entries of side `by`, renormalised over them,
+    with a tail entry for the rest, or with the side named by `raw` kept as it is) or
+    "sampled-token" (the answer token alone). The form, over the whole vocabulary or a top k: "term"
+    (the divergence of beta: 0 the forward KL, 1 the reverse, between the generalized JSD), "mixed"
+    (w KL(T || S) + (1 - w) KL(S || T)) or "cross-entropy" (divergence_terms); at the sampled token,
+    one of SAMPLED_FORMS, the halves of "term" and "estimate" clamped at >= 0 or not."""
     student_t: float
     teacher_t: float
     beta: float
@@ -308,53 +332,102 @@ class Config(NamedTuple):
     tail: bool = False
     form: str = "term"
     clamp: bool = False
+    raw: str = ""
+    w: float = 0.5
 
 
 def parse_support(text):
-    """Config fields of a declared support: "full", "top-k:SIDE:K" (":tail" after it: a tail entry),
-    or "sampled-token:FORM" (":clamped" after it: each half clamped at >= 0); None if it is none of
+    """Config fields of a declared support: "full", "top-k:SIDE:K" (":tail" after it: a tail entry;
+    ":raw-SIDE": that side's log-probs as they are, the other's renormalised), or
+    "sampled-token:FORM" (":clamped" after it: each half clamped at >= 0); None if it is none of
     these."""
     parts = text.split(":")
     if parts == ["full"]:
         return {"support": "full"}
+    raw_sides = [[f"raw-{side}"] for side in SIDES]
     if parts[0] == "top-k" and len(parts) in (3, 4) and parts[1] in SIDES and parts[2].isdigit() \
-            and int(parts[2]) > 0 and parts[3:] in ([], ["tail"]):
+            and int(parts[2]) > 0 and parts[3:] in ([], ["tail"], *raw_sides):
+        raw = ""
+        if parts[3:] in raw_sides:
+            raw = parts[3][len("raw-"):]
         return {"support": "top-k", "by": parts[1], "k": int(parts[2]),
-                "tail": parts[3:] == ["tail"]}
+                "tail": parts[3:] == ["tail"], "raw": raw}
     if parts[0] == "sampled-token" and len(parts) in (2, 3) and parts[1] in SAMPLED_FORMS \
             and parts[2:] in ([], ["clamped"]):
         return {"support": "sampled-token", "form": parts[1], "clamp": parts[2:] == ["clamped"]}
     return None
 
 
+def parse_form(text):
+    """Config fields of a declared form: "term", "cross-entropy" or "mixed:W" (W from 0 to 1); None
+    if it is none of these."""
+    parts = text.split(":")
+    if parts in (["term"], ["cross-entropy"]):
+        return {"form": parts[0]}
+    if parts[0] == "mixed" and len(parts) == 2:
+        try:
+            w = float(parts[1])
+        except ValueError:
+            return None
+        if 0.0 <= w <= 1.0:
+            return {"form": "mixed", "w": w}
+    return None
+
+
 def uses_beta(c):
-    return c.support != "sampled-token" or c.form in ("term", "estimate")
+    return c.form in ("term", "estimate")
+
+
+def other_side(side):
+    return SIDES[1 - SIDES.index(side)]
+
+
+def top_k_kind(c):
+    """The top k's kind, as its cause names it: "renormalised", "tail" or "SIDE-raw"."""
+    if c.tail:
+        return "tail"
+    if c.raw:
+        return f"{c.raw}-raw"
+    return "renormalised"
 
 
 def kind_of(c):
-    if c.support == "sampled-token":
-        return SAMPLED_FORMS[c.form][0]
-    return "a divergence"
+    if c.support != "sampled-token":
+        if c.form == "cross-entropy":
+            return "a cross-entropy"
+        return "a divergence"
+    kind = SAMPLED_FORMS[c.form][0]
+    if c.form == "estimate" and c.beta == 1.0 and not c.clamp:
+        kind += " (log p_S(y) - log p_T(y): an importance-sampling surrogate at ratio 1 has the " \
+                "same values, and the reverse KL's policy gradient for its gradient; these " \
+                "values cannot tell them apart)"
+    return kind
 
 
 def describe(c, temperatures=True):
     """The configuration in words (without its temperatures: those of fixed log-probs mean
     nothing)."""
+    what = {0.0: "forward KL (beta 0)", 1.0: "reverse KL (beta 1)"}.get(
+        c.beta, f"generalized JSD (beta {c.beta:.4g})")
+    if c.form == "mixed":
+        what = f"w KL(T || S) + (1 - w) KL(S || T) with w {c.w:.4g}"
+    elif c.form == "cross-entropy":
+        what = "the cross-entropy -sum p_T log p_S (the forward KL plus the teacher's entropy)"
     if c.support == "sampled-token" and not uses_beta(c):
         what = SAMPLED_FORMS[c.form][1]
+    elif c.support == "full":
+        what += " over the whole vocabulary"
+    elif c.support == "top-k":
+        how = "renormalised over them"
+        if c.tail:
+            how = "with a tail entry for the rest"
+        elif c.raw:
+            how = f"the {other_side(c.raw)}'s renormalised over them, the {c.raw}'s as they are"
+        what += f" over the {c.by}'s top {c.k} entries, {how}"
     else:
-        what = {0.0: "forward KL (beta 0)", 1.0: "reverse KL (beta 1)"}.get(c.beta,
-                                                                            "generalized JSD "
-                                                                            f"(beta {c.beta:.4g})")
-        if c.support == "full":
-            what += " over the whole vocabulary"
-        elif c.support == "top-k":
-            what += f" over the {c.by}'s top {c.k} entries, " + (
-                "with a tail entry for the rest" if c.tail else "renormalised over them")
-        else:
-            short = {"term": "its term there",
-                     "estimate": "its one-sample estimate d_y / p_S(y)"}[c.form]
-            what += f" at the sampled token y alone, {short}"
+        short = {"term": "its term there",
+                 "estimate": "its one-sample estimate d_y / p_S(y)"}[c.form]
+        what += f" at the sampled token y alone, {short}"
     if c.support == "sampled-token" and c.clamp:
         what += ", each half clamped at >= 0"
     clip = {"none": "no clip", "entry": f"each entry clipped at tau {c.tau:.4g}",
@@ -385,20 +458,31 @@ def differences(found, declared, k_note=None):
         for side in moved:
             fitted, asked = getattr(found, f"{side}_t"), getattr(declared, f"{side}_t")
             out.append((f"temperature:{side}", f"T {fitted:.4g}, {asked:g} declared"))
-    structure = ("support", "by", "k", "tail", "form")
+    structure = ("support", "by", "k", "tail", "raw")
     if found.support == "top-k" and any(getattr(found, f) != getattr(declared, f)
                                         for f in structure):
-        out.append((f"top-k:{found.by}:{'tail' if found.tail else 'renormalised'}", k_note
-                    or f"k = {found.k}"))
-    elif found.support == "sampled-token" and any(getattr(found, f) != getattr(declared, f)
-                                                  for f in structure):
+        out.append((f"top-k:{found.by}:{top_k_kind(found)}", k_note or f"k = {found.k}"))
+    elif found.support == "sampled-token" and (found.support, found.form) != (declared.support,
+                                                                               declared.form):
         out.append((f"sampled-token:{found.form}", kind_of(found)))
     elif found.support == "full" and declared.support != "full":
         out.append(("support:full", None))
+    if found.support != "sampled-token":
+        asked = declared.form
+        if declared.support == "sampled-token":
+            asked = "term"
+        if found.form != asked:
+            note = None
+            if found.form == "mixed":
+                note = f"w {found.w:.4g}"
+            out.append((f"form:{found.form}", note))
+        elif found.form == "mixed" and abs(found.w - declared.w) > 1e-3:
+            out.append(("form:mixed", f"w {found.w:.4g}, {declared.w:g} declared"))
     if found.support == "sampled-token" and found.clamp != declared.clamp:
         out.append(("clamp:halves" if found.clamp else "clamp:none", None))
     beta_moved = abs(found.beta - declared.beta) > 1e-3
-    if uses_beta(found) and beta_moved and not same(found.beta, declared.beta, 1e-6):
+    if uses_beta(found) and declared.form not in ("mixed", "cross-entropy") and beta_moved \
+            and not same(found.beta, declared.beta, 1e-6):
         note = f"beta {found.beta:.4g}, {declared.beta:g} declared"
         if declared.beta in (0.0, 1.0) and found.beta == 1.0 - declared.beta:
             note += ": the student and the teacher exchanged"
@@ -412,11 +496,13 @@ def differences(found, declared, k_note=None):
 
 class Numbers:
     """One side's numbers at the step's positions, rows concatenated: raw logits (N, V) whose
-    temperature is a parameter, log-probs (N, V) as they are, or the sampled token's log-prob alone
-    (N,)."""
+    temperature is a parameter, log-probs (N, V) as they are, log-probs (N, K) at the ids (N, K) of
+    the teacher's top K alone, or the sampled token's log-prob alone (N,); sampler: the sampler's
+    log-prob of the sampled token (N,), for an importance-sampling ratio."""
 
-    def __init__(self, logits=None, logprobs=None, token=None):
+    def __init__(self, logits=None, logprobs=None, token=None, ids=None, sampler=None):
         self.logits, self.logprobs, self.token = logits, logprobs, token
+        self.ids, self.sampler = ids, sampler
         self.cache = {}  # {temperature: log-probs}
         self.ranks = None
 
@@ -426,12 +512,16 @@ class Numbers:
 
     @property
     def full(self):
-        return self.logits is not None or self.logprobs is not None
+        return self.ids is None and (self.logits is not None or self.logprobs is not None)
+
+    @property
+    def sparse(self):  # log-probs at the teacher's top K ids alone
+        return self.ids is not None
 
     def at(self, index):
         """These numbers at some positions only."""
-        pick = [None if x is None else x[index] for x in (self.logits, self.logprobs, self.token)]
-        return Numbers(*pick)
+        fields = (self.logits, self.logprobs, self.token, self.ids, self.sampler)
+        return Numbers(*[None if x is None else x[index] for x in fields])
 
     def log_probs(self, temperature):
         if self.logprobs is not None:
@@ -443,14 +533,23 @@ class Numbers:
         return self.cache[temperature]
 
     def of_token(self, temperature, y):
+        """(N,) the log-prob of each sampled token: NaN where only the top K ids are known and y
+        is not among them."""
         if self.token is not None:
             return self.token
+        if self.sparse:
+            hit = self.ids == y[:, None]
+            value = torch.where(hit, self.logprobs, torch.zeros_like(self.logprobs)).sum(-1)
+            return torch.where(hit.any(-1), value, torch.full_like(value, math.nan))
         return self.log_probs(temperature).gather(-1, y[:, None])[:, 0]
 
     def order(self):
-        """(N, V) the entries by rank, largest first (whatever the temperature)."""
+        """(N, V) the entries by rank, largest first (whatever the temperature); of the top K ids,
+        their columns by rank."""
         if self.ranks is None:
-            x = self.logprobs if self.logprobs is not None else self.logits
+            x = self.logprobs
+            if x is None:
+                x = self.logits
             self.ranks = x.sort(dim=-1, descending=True, stable=True).indices
         return self.ranks
 
@@ -458,33 +557,35 @@ class Numbers:
 def config_values(c, student, teacher, y, peer=None, tie=0.0):
     """(N,) each position's value under configuration c, from both sides' Numbers and the sampled
     tokens y. A top k whose k-th and (k + 1)-th log-probs lie within `tie`: the peer's choice, the
-    nearer to `peer`."""
+    nearer to `peer`. From the teacher's top K ids alone, the student's numbers are at those ids."""
     if c.support == "sampled-token":
-        value = sampled_value(student.of_token(c.student_t, y), teacher.of_token(c.teacher_t, y),
-                              c.form, c.beta,
-                              c.clamp)
+        a, b = student.of_token(c.student_t, y), teacher.of_token(c.teacher_t, y)
+        value = sampled_value(a, b, c.form, c.beta, c.clamp, student.sampler)
         if c.clip != "none":
             value = value.clamp(max=c.tau)
         return value
     log_s, log_t = student.log_probs(c.student_t), teacher.log_probs(c.teacher_t)
+    terms = {"beta": c.beta, "clip": c.clip, "tau": c.tau, "form": c.form, "w": c.w}
     if c.support == "full":
-        return divergence(log_s, log_t, beta=c.beta, clip=c.clip, tau=c.tau)
-    side = student if c.by == "student" else teacher
+        return divergence(log_s, log_t, **terms)
+    side = student
+    if c.by == "teacher":
+        side = teacher
     order = side.order()
-    d = divergence(*top_k_log_probs(log_s, log_t, c.k, c.tail, order), beta=c.beta, clip=c.clip,
-                   tau=c.tau)
+    d = divergence(*top_k_log_probs(log_s, log_t, c.k, c.tail, order, c.raw), **terms)
     if tie and peer is not None and c.k < order.shape[-1]:
-        by = log_s if c.by == "student" else log_t
+        by = log_s
+        if c.by == "teacher":
+            by = log_t
         ranked = by.gather(-1, order[:, c.k - 1:c.k + 1])
         tied = (ranked[:, 0] - ranked[:, 1]).abs() <= tie
         if tied.any():  # the k-th and (k + 1)-th exchanged: the peer's top k may hold either
             swapped = order[tied].clone()
             swapped[:, [c.k - 1, c.k]] = swapped[:, [c.k, c.k - 1]]
-            other = divergence(*top_k_log_probs(log_s[tied], log_t[tied], c.k, c.tail, swapped),
-                               beta=c.beta,
-                               clip=c.clip, tau=c.tau)
-            d[tied] = torch.where((peer[tied] - other).abs() < (peer[tied] - d[tied]).abs(), other,
-                                  d[tied])
+            top = top_k_log_probs(log_s[tied], log_t[tied], c.k, c.tail, swapped, c.raw)
+            other = divergence(*top, **terms)
+            nearer = (peer[tied] - other).abs() < (peer[tied] - d[tied]).abs()
+            d[tied] = torch.where(nearer, other, d[tied])
     return d
 
 
@@ -551,12 +652,15 @@ class Fit:
     def score(self, c):
         """The distance searched on: the sum of the absolute differences at the search positions
         (its basin is wide, so a grid finds it; its least is where every position matches)."""
-        return float((self.search[3] - self.values(c, on_search=True)).abs().sum())
+        gap = (self.search[3] - self.values(c, on_search=True)).abs()
+        return float(torch.nan_to_num(gap, nan=1e3).sum())  # NaN: a value these numbers lack
 
     def free(self, c):
         names = [f"{side}_t" for side, x in zip(SIDES, (self.student, self.teacher)) if x.free]
         if uses_beta(c):
             names.append("beta")
+        if c.form == "mixed":
+            names.append("w")
         if c.clip != "none":
             names.append("tau")
         return names
@@ -569,6 +673,8 @@ class Fit:
         if name == "beta":  # the ends are the KLs, not the JSD's limits: tried apart
             inside = minimise(at, 1e-3, 1.0 - 1e-3)
             moved = c._replace(beta=min((0.0, 1.0, inside), key=at))
+        elif name == "w":  # its ends are the KLs, which beta's ends give
+            moved = c._replace(w=minimise(at, 1e-3, 1.0 - 1e-3))
         elif name == "tau":
             moved = c._replace(tau=minimise(at, *TAUS, log=True))
         elif name == "temperature":  # one loss temperature on both sides
@@ -585,15 +691,25 @@ class Fit:
     def count_on_search(self, c):
         return int(close(self.search[3], self.values(c, on_search=True)).sum())
 
+    def k_bound(self):
+        """The least k that is no top k: the vocabulary's size (a top k of it is the whole), or one
+        more than K where the numbers are the teacher's top K ids alone (all K of them is a top
+        k)."""
+        if self.teacher.sparse:
+            return self.teacher.ids.shape[-1] + 1
+        return self.student.order().shape[-1]
+
     def top_k(self, c):
         """c with the k that matches the most search positions (the smallest of those)."""
-        V = self.student.order().shape[-1] if self.student.full else 0
+        V = self.k_bound()
         grid = [k for k in TOP_K_GRID if k < V]
+        if self.teacher.sparse:
+            grid.append(V - 1)
         return c._replace(k=max(grid, key=lambda k: (self.count_on_search(c._replace(k=k)), -k)))
 
     def k_note(self, c):
         """The range of k that match as many positions as c's k, in words."""
-        V = self.student.order().shape[-1]
+        V = self.k_bound()
         top = self.count(c)
 
         # the last k from c's towards `direction` (+1 or -1) that matches `top` positions
@@ -657,23 +773,47 @@ class Fit:
         return best
 
     def structures(self):
-        """Config fields of every structure tried, the declared one first."""
+        """Config fields of every structure tried, the declared one first, then the fixture's
+        supports and the sampled token's forms, then the other forms over the whole vocabulary and
+        over a top k. From the teacher's top K ids and the student's log-probs there, only a top k
+        of the teacher (k up to K) and the sampled token where it is among them."""
         d = self.declared
         full = self.student.full and self.teacher.full
+        sparse = self.student.sparse and self.teacher.sparse
         out = []
         # the sampled token's log-probs alone give no other support
-        if full or d.support == "sampled-token":
-            out.append({"support": d.support, "by": d.by, "k": d.k, "tail": d.tail, "form": d.form,
-                        "clamp": d.clamp, "clip": d.clip})
+        if full or d.support == "sampled-token" or (sparse and d.support == "top-k"
+                                                    and d.by == "teacher"):
+            out.append({"support": d.support, "by": d.by, "k": d.k, "tail": d.tail, "raw": d.raw,
+                        "form": d.form, "clamp": d.clamp, "clip": d.clip})
+        plain = {"form": "term", "raw": "", "tail": False}
         if full:
-            out += [{"support": "full", "clip": clip} for clip in CLIPS]
-            out += [{"support": "top-k", "by": by, "tail": tail, "clip": d.clip} for by in SIDES
-                    for tail in (False, True)]
+            out += [{**plain, "support": "full", "clip": clip} for clip in CLIPS]
+        top_k_sides = []
+        if full:
+            top_k_sides = list(SIDES)
+        elif sparse:
+            top_k_sides = ["teacher"]
+        out += [{**plain, "support": "top-k", "by": by, "tail": tail, "clip": d.clip}
+                for by in top_k_sides for tail in (False, True)]
         for form in SAMPLED_FORMS:
             for clamp in ((False, True) if form in ("term", "estimate") else (False,)):
                 for clip in dict.fromkeys((d.clip, "none")):
                     out.append({"support": "sampled-token", "form": form, "clamp": clamp,
                                 "clip": clip})
+        clips = dict.fromkeys((d.clip, "none"))
+        if full:
+            out += [{**plain, "support": "full", "form": form, "clip": clip}
+                    for form in ("mixed", "cross-entropy") for clip in clips]
+        if full or sparse:
+            for form in ("term", "cross-entropy"):
+                out.append({**plain, "support": "top-k", "by": "teacher", "raw": "student",
+                            "form": form, "clip": d.clip})
+            out.append({**plain, "support": "top-k", "by": "teacher", "form": "cross-entropy",
+                        "clip": d.clip})
+        if full:
+            out.append({**plain, "support": "top-k", "by": "student", "raw": "teacher",
+                        "clip": d.clip})
         return out
 
     def identify(self):
@@ -799,10 +939,11 @@ class Dump(NamedTuple):
 
 ROW_TENSORS = ("student_logprobs", "teacher_logprobs", "student_logits", "teacher_logits",
                "student_token_logprobs", "teacher_token_logprobs", "divergence",
-               "student_prompt_ids", "teacher_prompt_ids")
+               "student_prompt_ids", "teacher_prompt_ids", "teacher_topk_ids",
+               "teacher_topk_logprobs", "student_topk_logprobs", "sampler_token_logprobs")
 BATCH_TENSORS = ("input_ids", "attention_mask", "position_ids", "answer_mask", "scored_mask")
 DECLARABLE = {"temperature": float, "beta": float, "tau": float, "skip_first_tokens": int,
-              "support": str}
+              "support": str, "form": str}
 
 
 def write_dump(path, *, setting=None, clip, rows, loss=None, normalisation=None,
@@ -841,9 +982,9 @@ def read_dump(path):
         tensors = {name: f.get_tensor(name) for name in f.keys()}
     if "clip" not in meta:
         raise SystemExit(f"verify.py: {path} has no 'clip' in its metadata (README.md: the dump).")
-    if "setting" not in meta and not {"temperature", "beta"} <= set(meta):
+    if "setting" not in meta and not ("temperature" in meta and ("beta" in meta or "form" in meta)):
         raise SystemExit(f"verify.py: {path} has neither a 'setting' nor a 'temperature' and a "
-                         "'beta' in its metadata (README.md: the dump).")
+                         "'beta' (or a 'form') in its metadata (README.md: the dump).")
     rows, batches = {}, {}
     for name, t in tensors.items():
         head, _, field = name.partition(".")
@@ -867,9 +1008,13 @@ def read_dump(path):
             except ValueError:
                 raise SystemExit(f"verify.py: {path}: its metadata's {key} is {meta[key]!r}, not a "
                                  "number.")
+    if "form" in declared and parse_form(declared["form"]) is None:
+        raise SystemExit(f"verify.py: {path}: its metadata's form is {declared['form']!r}; say "
+                         "'term', 'cross-entropy' or 'mixed:W' (W from 0 to 1).")
     if "support" in declared and parse_support(declared["support"]) is None:
         raise SystemExit(f"verify.py: {path}: its metadata's support is {declared['support']!r}; "
-                         "say 'full', 'top-k:SIDE:K' (':tail' after it for a tail entry) or "
+                         "say 'full', 'top-k:SIDE:K' (':tail' after it for a tail entry, "
+                         "':raw-SIDE' for that side's log-probs as they are) or "
                          f"'sampled-token:FORM' (FORM one of {', '.join(SAMPLED_FORMS)}; "
                          "':clamped' after it for halves clamped at >= 0).")
     size = meta.get("micro_batch_size")
@@ -945,6 +1090,31 @@ CAUSES = {
                                   "both sides' probabilities renormalised over them",
     "top-k:teacher:tail": "the divergence is taken over the teacher's top k entries and one more "
                           "entry holding the rest of each side's mass",
+    "top-k:student:teacher-raw": "the value is taken over the student's top k entries, the "
+                                 "student's probabilities renormalised over them and the teacher's "
+                                 "log-probs used as they are",
+    "top-k:teacher:student-raw": "the value is taken over the teacher's top k entries, the "
+                                 "teacher's probabilities renormalised over them and the student's "
+                                 "log-probs used as they are (their sum below 1)",
+    "top-k:student:student-raw": "the value is taken over the student's top k entries, the "
+                                 "teacher's probabilities renormalised over them and the student's "
+                                 "log-probs used as they are",
+    "top-k:teacher:teacher-raw": "the value is taken over the teacher's top k entries, the "
+                                 "student's probabilities renormalised over them and the teacher's "
+                                 "log-probs used as they are",
+    "form:mixed": "the value is a weighted sum of the two KLs, w KL(T || S) + (1 - w) KL(S || T), "
+                  "not the declared divergence (at w 0.5 it is far from the JSD of beta 0.5)",
+    "form:cross-entropy": "the value is the cross-entropy -sum_v p_T(v) log p_S(v), the forward KL "
+                          "plus the teacher's entropy over the same entries: it does not vanish "
+                          "where the two sides agree",
+    "form:term": "the value is the divergence of beta (0 the forward KL, 1 the reverse, between "
+                 "the generalized JSD), not the declared form",
+    "prompt:teacher=student": "the teacher is given the student's own prompt, without the "
+                              "reference: with one model on both sides its log-probs are the "
+                              "student's, every value and the loss are 0, and the step carries "
+                              "no signal",
+    "value:unexplained": "your values at some positions are none of the configurations tried "
+                         "(its size: those positions replaced by what explains the rest)",
     "support:full": "the value is taken over the whole vocabulary, not over the declared support",
     "clamp:halves": "each half of the sampled-token value is clamped at >= 0",
     "clamp:none": "the sampled-token value's halves are not clamped, though declared so",
@@ -961,6 +1131,9 @@ class Check(NamedTuple):
     causes: list  # keys of CAUSES
     notes: dict = {}  # {cause: what the numbers say of it, e.g. the k of a top-k divergence}
     found: str | None = None  # what the check identified the peer computes, with the residual
+    # {cause: (the loss with the departures found, the loss with that one alone undone)}, each the
+    # step's token mean
+    sizes: dict = {}
 
 
 def span(rows):
@@ -988,13 +1161,24 @@ def side_causes(kind, side):
     return [f"{kind}:{s}" for s in SIDES] if side == "both" else [f"{kind}:{side}"]
 
 
+class Reading(NamedTuple):
+    """What diagnose reads: its lines and causes, whether every position is explained, the
+    hypothesis that explains most, and {cause: {row: (L,) bool}} the positions each cause explains
+    (None: the positions nothing explains)."""
+    lines: list
+    causes: list
+    explained: bool
+    best: str
+    positions: dict
+
+
 def diagnose(hypotheses, errors, matched, lengths, shorter):
-    """(lines, causes, explained) of a comparison, explained False where positions are left that
-    nothing names. hypotheses: {name: [its causes]}, the first the fixture's (no cause); errors,
-    matched: {name: {row: (L,)}}, each position's distance to the hypothesis and whether it lies
-    within the tolerance; shorter: {side: rows shorter than their micro-batch's longest prompt}, of
-    the side compared (or of both, for the divergence). The hypothesis matching most positions
-    explains them; the positions it leaves are read by their pattern:
+    """Reading of a comparison, explained False where positions are left that nothing names.
+    hypotheses: {name: [its causes]}, the first the fixture's (no cause); errors, matched: {name:
+    {row: (L,)}}, each position's distance to the hypothesis and whether it lies within the
+    tolerance; shorter: {side: rows shorter than their micro-batch's longest prompt}, of the side
+    compared (or of both, for the divergence). The hypothesis matching most positions explains them;
+    the positions it leaves are read by their pattern:
       - the first position of rows with a shorter prompt, off by far more than the row's other
         positions (PAD_FIRST_RATIO times): the first position predicted from a pad;
       - other positions, only in rows with a shorter prompt: position ids counted over pads;
@@ -1005,12 +1189,16 @@ def diagnose(hypotheses, errors, matched, lengths, shorter):
     count = {h: sum(int(matched[h][r].sum()) for r in rows) for h in hypotheses}
     if count[asked] == total:
         largest = max_error(errors[asked])
-        return [f"all {total} positions match (largest difference {largest:.1e})"], [], True
+        lines = [f"all {total} positions match (largest difference {largest:.1e})"]
+        return Reading(lines, [], True, asked, {})
     best = max(hypotheses, key=lambda h: (count[h], h == asked))
     lines, causes = [f"{count[asked]} of {total} positions match"], []
+    positions = {}
     if best != asked:
         lines.append(f"{count[best]} of {total} positions match {best}")
         causes += hypotheses[best]
+        for cause in hypotheses[best]:
+            positions[cause] = {r: matched[best][r].clone() for r in rows}
     err = errors[best]
     left = {r: ~matched[best][r] for r in rows}  # what the best hypothesis leaves unexplained
     rest = lambda r: float(err[r][1:].max()) if lengths[r] > 1 else 0.0  # noqa: E731
@@ -1024,28 +1212,35 @@ def diagnose(hypotheses, errors, matched, lengths, shorter):
         lines.append(f"the first position of {span(pad_first)}{of} differs from {against} by up to "
                      f"{max(float(err[r][0]) for r in pad_first):.3g}, their other positions by at "
                      f"most {max(rest(r) for r in pad_first):.1e}")
-        causes += side_causes("pad-first", where)
+        for cause in side_causes("pad-first", where):
+            causes.append(cause)
+            positions[cause] = {r: torch.arange(lengths[r]) == 0 for r in pad_first}
         for r in pad_first:
             left[r][0] = False
     drift = {r for r in rows if left[r].any()}
     if not drift:
-        return lines, causes, True
+        return Reading(lines, causes, True, best, positions)
+    drifting = {r: left[r].clone() for r in drift}
     n = sum(int(left[r].sum()) for r in drift)
     largest = max(float(err[r][left[r]].max()) for r in drift)
     where = side_of(drift, shorter)
     if where:
         lines.append(f"{n} positions of {span(drift)}, every one a row with a shorter prompt than "
                      f"its micro-batch's longest, differ (by up to {largest:.1e})")
-        causes += side_causes("position-ids", where)
-        return lines, causes, True
+        for cause in side_causes("position-ids", where):
+            causes.append(cause)
+            positions[cause] = drifting
+        return Reading(lines, causes, True, best, positions)
     if len(shorter) == 1 and all(left[r].all() for r in drift):
         lines.append(f"every position of {span(drift)} differs (by up to {largest:.3g})")
         causes.append(f"prompt:{next(iter(shorter))}")
-        return lines, causes, True
+        positions[causes[-1]] = drifting
+        return Reading(lines, causes, True, best, positions)
     worst = max((float(err[r][j]), r, j) for r in drift for j in range(lengths[r]) if left[r][j])
     lines.append(f"{n} positions of {span(drift)} differ; the largest difference, {worst[0]:.3g}, "
                  f"at row {worst[1]} position {worst[2]}")
-    return lines, causes, False
+    positions[None] = drifting
+    return Reading(lines, causes, False, best, positions)
 
 
 def max_error(per_row):
@@ -1053,20 +1248,35 @@ def max_error(per_row):
 
 
 def side_numbers(dump, side):
-    """(key, {row: float64 tensor}): the side's numbers in the dump, its log-probs, logits or
-    sampled-token log-probs, whichever every row holds; (None, {}) if none."""
-    for key in (f"{side}_logprobs", f"{side}_logits", f"{side}_token_logprobs"):
-        if dump.rows and all(key in t for t in dump.rows.values()):
+    """(key, {row: float64 tensor}): the side's numbers in the dump, its log-probs, logits,
+    log-probs at the teacher's top K ids (with those ids in every row) or sampled-token log-probs,
+    whichever every row holds; (None, {}) if none."""
+    keys = (f"{side}_logprobs", f"{side}_logits", f"{side}_topk_logprobs", f"{side}_token_logprobs")
+    for key in keys:
+        needs = {key}
+        if key.endswith("_topk_logprobs"):
+            needs.add("teacher_topk_ids")
+        if dump.rows and all(needs <= set(t) for t in dump.rows.values()):
             return key, {r: t[key].double() for r, t in dump.rows.items()}
     return None, {}
 
 
-def compare_side(ref, dump, side, declared, size, divided=False, inferred=False, own_prompts=False):
+def top_ids(dump):
+    """{row: (L, K) ids} of the teacher's top K the dump holds, or {}."""
+    if not dump.rows or not all("teacher_topk_ids" in t for t in dump.rows.values()):
+        return {}
+    return {r: t["teacher_topk_ids"].long() for r, t in dump.rows.items()}
+
+
+def compare_side(ref, dump, side, declared, size, divided=False, inferred=False, own_prompts=False,
+                 skip=0):
     """Check: the side's log-probs (or logits: raw, or already divided by the temperature when
     `divided`; `inferred`: the form read from the numbers, the dump not saying; or the sampled
     token's log-probs) at every answer position, against the reference's; the temperature they are
     at, fitted; and against what positions shifted by one or position ids counted over the pads of
-    micro-batches of `size` rows would give."""
+    micro-batches of `size` rows would give. Each cause's size: the loss from these numbers (the
+    other side the reference's), against the same with the positions it explains as they would be
+    without it (skip: the positions left out of the loss)."""
     name = f"{side} log-probs"
     key, numbers = side_numbers(dump, side)
     if key is None:
@@ -1076,6 +1286,9 @@ def compare_side(ref, dump, side, declared, size, divided=False, inferred=False,
     T = getattr(declared, f"{side}_t")
     logits = key.endswith("_logits")
     token = key.endswith("_token_logprobs")
+    ids = {}
+    if key.endswith("_topk_logprobs"):
+        ids = top_ids(dump)
     raw = logits and not divided
     expected = T  # the temperature the reference's log-softmax is compared at
     if raw:
@@ -1087,6 +1300,8 @@ def compare_side(ref, dump, side, declared, size, divided=False, inferred=False,
             want = (ref.lengths[row], ref.logits[side][row].shape[-1])
             if token:
                 want = (ref.lengths[row],)
+            if ids:
+                want = tuple(ids[row].shape)
         if tuple(v.shape) != want:
             lines.append(f"row {row}: shape {tuple(v.shape)}, the fixture's "
                          f"{want or 'has no such row'}")
@@ -1095,13 +1310,15 @@ def compare_side(ref, dump, side, declared, size, divided=False, inferred=False,
     if lines:
         return Check(name, "differs", lines, [])
 
-    def errors(temperature, offset=0, padded=None):
+    def errors(temperature, offset=0, padded=None, source=None):
         out = {}
         for row, v in x.items():
-            want = ref.log_probs(side, row, temperature, offset, padded)
+            want = ref.log_probs(source or side, row, temperature, offset, padded)
             if token:
                 y = torch.tensor(ref.rows[row]["completion_ids"])
                 out[row] = (v - want.gather(-1, y[:, None])[:, 0]).abs()
+            elif ids:
+                out[row] = (v - want.gather(-1, ids[row])).abs().amax(-1)
             else:
                 out[row] = (v - want).abs().amax(-1)
         return out
@@ -1133,11 +1350,27 @@ def compare_side(ref, dump, side, declared, size, divided=False, inferred=False,
                 ([cause] if cause else []) + [f"shift:{offset:+d}"])
     hypotheses["position ids counted over the pads"] = ({"temperature": expected, "padded": size},
                                                         [f"position-ids:{side}"])
+    if side == "teacher":
+        hypotheses["the student's log-probs"] = ({"temperature": expected, "source": "student"},
+                                                 ["prompt:teacher=student"])
     errs = {h: errors(**kw) for h, (kw, _) in hypotheses.items()}
     matched = {h: {r: e <= TOL_LOGPROB for r, e in errs[h].items()} for h in hypotheses}
-    found, causes, _ = diagnose({h: c for h, (_, c) in hypotheses.items()}, errs, matched,
-                                ref.lengths,
-                                {side: ref.shorter(side, size)})
+    student_like = "the student's log-probs"
+    if student_like in hypotheses and sum(int(m.sum()) for m in matched[student_like].values()) \
+            <= total // 2:  # named only where the teacher's numbers are mostly the student's
+        del hypotheses[student_like], errs[student_like], matched[student_like]
+    reading = diagnose({h: c for h, (_, c) in hypotheses.items()}, errs, matched, ref.lengths,
+                       {side: ref.shorter(side, size)})
+    found, causes = reading.lines, reading.causes
+    sizes = {}
+    if causes:
+        scale = 1.0
+        if raw:
+            scale = T  # raw logits' log-probs at the loss temperature
+        own = None
+        if not token and not ids:
+            own = {row: torch.log_softmax(v / scale, -1) for row, v in x.items()}
+        sizes = side_sizes(ref, side, declared, skip, own, hypotheses, reading, scale)
     if logits:
         unit = "raw logits (before the temperature, which cannot be seen in them)"
         if divided:
@@ -1147,12 +1380,17 @@ def compare_side(ref, dump, side, declared, size, divided=False, inferred=False,
         unit += ", log-softmaxed"
     elif token:
         unit = f"the sampled token's log-probs at temperature {T:g}"
+    elif ids:
+        K = next(iter(ids.values())).shape[-1]
+        unit = f"log-probs at the teacher's top {K} ids at temperature {T:g}"
     else:
         unit = f"log-probs at temperature {T:g}"
     if own_prompts:
         unit += ", against your own prompt ids"
     ok = not causes and found[0].startswith("all")
     head = f"{unit}, |delta log p| within {TOL_LOGPROB:g}: {found[0]}"
+    if ids and side == "teacher":
+        found.append(top_ids_line(ref, ids, fitted if moved else expected))
     at = fitted if moved else expected
     residual = max_error(errors(at))
     if raw and not moved:
@@ -1162,8 +1400,78 @@ def compare_side(ref, dump, side, declared, size, divided=False, inferred=False,
                      f"|delta log p| up to {residual:.1e}"
         if raw:
             identified = f"{side}: logits divided by {at:.4g}, |delta log p| up to {residual:.1e}"
+    if reading.best == student_like:
+        residual = max_error(errs[student_like])
+        identified = f"{side}: the student's log-probs (the teacher given the student's prompt), " \
+                     f"|delta log p| up to {residual:.1e}"
     return Check(name, "matches" if ok else "differs", [head, *found[1:]], causes,
-                 {c: n for c, n in notes.items() if c in causes}, identified)
+                 {c: n for c, n in notes.items() if c in causes}, identified, sizes)
+
+
+# a cause's kind: the argument of compare_side's errors that it sets
+UNDO = {"temperature": "temperature", "logits": "temperature", "shift": "offset",
+        "position-ids": "padded", "prompt": "source"}
+
+
+def side_sizes(ref, side, declared, skip, own, hypotheses, reading, scale):
+    """{cause: (with, undone)} of a side's causes (compare_side): the step's token mean under the
+    declared configuration from this side's log-probs `own` ({row: (L, V)} at the loss temperature;
+    None: the reference's under the best hypothesis) and the other side's reference, against the
+    same with the positions each cause explains replaced by the reference's without that cause.
+    scale:
+    the hypotheses' temperatures are this many times the loss temperature's (raw logits: 1 / T)."""
+    other = other_side(side)
+    best = hypotheses[reading.best][0]
+    rows = list(range(len(ref.rows)))
+    if own is not None:
+        rows = sorted(own)
+
+    def reference(row, arguments):
+        kw = {"temperature": arguments["temperature"] * scale, "offset": arguments.get("offset", 0),
+              "padded": arguments.get("padded")}
+        return ref.log_probs(arguments.get("source") or side, row, **kw)
+
+    def loss(log_p):
+        mine = torch.cat([log_p[row] for row in rows])
+        theirs = torch.cat([ref.log_probs(other, row, getattr(declared, f"{other}_t"))
+                            for row in rows])
+        pair = {side: Numbers(logprobs=mine), other: Numbers(logprobs=theirs)}
+        y = torch.cat([torch.tensor(ref.rows[row]["completion_ids"]) for row in rows])
+        values = config_values(declared, pair["student"], pair["teacher"], y)
+        kept = torch.cat([torch.arange(ref.lengths[row]) >= skip for row in rows])
+        return float(values[kept].sum()) / max(int(kept.sum()), 1)
+
+    if own is None:
+        own = {row: reference(row, best) for row in rows}
+    with_it = loss(own)
+    sizes = {}
+    for cause in reading.causes:
+        arguments = dict(best)
+        if cause in hypotheses[reading.best][1]:
+            undo = UNDO[cause.split(":")[0]]
+            arguments[undo] = {"temperature": hypotheses[next(iter(hypotheses))][0]["temperature"],
+                               "offset": 0, "padded": None, "source": None}[undo]
+        undone = dict(own)
+        for row, at in reading.positions.get(cause, {}).items():
+            undone[row] = own[row].clone()
+            undone[row][at] = reference(row, arguments)[at]
+        sizes[cause] = (with_it, loss(undone))
+    return sizes
+
+
+def top_ids_line(ref, ids, temperature):
+    """A line saying at how many positions the dumped ids are the reference teacher's top K (each
+    id's log-prob no lower than the K-th largest's, within the tolerance)."""
+    wrong, total = 0, 0
+    for row, top in ids.items():
+        log_t = ref.log_probs("teacher", row, temperature)
+        K = top.shape[-1]
+        kth = log_t.topk(K, -1).values[:, -1]
+        wrong += int((log_t.gather(-1, top).amin(-1) < kth - TOL_LOGPROB).sum())
+        total += len(top)
+    if not wrong:
+        return f"the ids are the teacher's top {K} at all {total} positions"
+    return f"the ids are not the teacher's top {K} at {wrong} of {total} positions"
 
 
 def logits_form(ref, dump, T):
@@ -1192,7 +1500,13 @@ def logits_form(ref, dump, T):
 
 def own_numbers(dump, rows, divided):
     """{side: Numbers} of the dump's own numbers over `rows`, concatenated (raw logits keep their
-    temperature a parameter), or None if a side has none."""
+    temperature a parameter; log-probs at the teacher's top K ids keep the sampled token's too, and
+    the student's the sampler's), or None if a side has none."""
+    def joined(name):
+        if not all(name in dump.rows.get(r, {}) for r in rows):
+            return None
+        return torch.cat([dump.rows[r][name].double() for r in rows])
+
     out = {}
     for side in SIDES:
         key, numbers = side_numbers(dump, side)
@@ -1201,13 +1515,25 @@ def own_numbers(dump, rows, divided):
         x = torch.cat([numbers[r] for r in rows])
         if key.endswith("_token_logprobs"):
             out[side] = Numbers(token=x)
+        elif key.endswith("_topk_logprobs"):
+            ids = torch.cat([dump.rows[r]["teacher_topk_ids"].long() for r in rows])
+            out[side] = Numbers(logprobs=x, ids=ids, token=joined(f"{side}_token_logprobs"))
         elif key.endswith("_logits") and not divided:
             out[side] = Numbers(logits=x)
         elif key.endswith("_logits"):
             out[side] = Numbers(logprobs=torch.log_softmax(x, -1))
         else:
             out[side] = Numbers(logprobs=x)
+    out["student"].sampler = joined("sampler_token_logprobs")
     return out
+
+
+def sampler_of(dump, rows):
+    """(N,) the sampler's log-probs of the sampled tokens the dump holds over `rows`, or None: the
+    peer's input to an importance-sampling ratio, as its prompts are."""
+    if not rows or not all("sampler_token_logprobs" in dump.rows.get(r, {}) for r in rows):
+        return None
+    return torch.cat([dump.rows[r]["sampler_token_logprobs"].double() for r in rows])
 
 
 def reference_numbers(ref, rows, offset=0, padded=(), size=None):
@@ -1222,21 +1548,76 @@ def reference_numbers(ref, rows, offset=0, padded=(), size=None):
     return out
 
 
+REVERTS = {  # a cause's kind: the Config fields that undoing it puts back to the declared ones
+    "temperature": ("student_t", "teacher_t"), "beta": ("beta",), "tau": ("tau",),
+    "clip": ("clip", "tau"), "clamp": ("clamp",), "form": ("form", "w"),
+    "top-k": ("support", "by", "k", "tail", "raw", "clamp"),
+    "support": ("support", "by", "k", "tail", "raw", "form", "clamp"),
+    "sampled-token": ("support", "by", "k", "tail", "raw", "form", "clamp"),
+}
+
+
+def undone(c, cause, declared):
+    """c with the departure `cause` alone put back to the declared configuration."""
+    fields = REVERTS[cause.split(":")[0]]
+    if cause in ("temperature:student", "temperature:teacher"):
+        fields = (f"{cause.split(':')[1]}_t",)
+    if cause.startswith("top-k") and declared.support == "sampled-token":
+        fields = REVERTS["support"]
+    return c._replace(**{name: getattr(declared, name) for name in fields})
+
+
+def near_zero(peer, values, kept):
+    """How many of the kept positions match only because both values lie within the absolute
+    tolerance of zero (they say nothing of the form)."""
+    both = (peer.abs() <= TOL_DIVERGENCE[0]) & (values.abs() <= TOL_DIVERGENCE[0])
+    return int((both & close(peer, values) & kept).sum())
+
+
+def zero_note(zeros):
+    if not zeros:
+        return ""
+    return f" ({zeros} of them only because both values lie within {TOL_DIVERGENCE[0]:g} of zero)"
+
+
+def allowance(own):
+    """A sentence on what a dump of the teacher's top K ids alone allows and cannot show, or
+    None."""
+    if not own["teacher"].sparse:
+        return None
+    K = own["teacher"].ids.shape[-1]
+    if own["student"].sparse:
+        return f"from the teacher's top {K} and the student's log-probs at those ids, the kit " \
+               f"fits the forms over a top k of the teacher (k up to {K}) and the sampled token " \
+               "where it is among them; these numbers cannot show a value over the whole " \
+               f"vocabulary, the mass outside the {K} entries, nor a top k of the student"
+    return f"from the teacher's top {K} and the student's sampled-token log-probs, the kit fits " \
+           "the sampled token's forms where it is among them; these numbers cannot show any " \
+           "value over several entries (dump the student's log-probs at the teacher's ids)"
+
+
 def compare_divergence(ref, dump, declared, skip, size, divided=False, own_prompts=False):
     """(Check, the peer's per-position values {row: (L,)} or None): the per-position values, against
     the reference's under the declared configuration; what configuration explains them, fitted to
     the peer's own log-probs when it dumped them, else to the reference's (with the positions
-    shifted or counted over pads)."""
+    shifted or counted over pads, or the teacher given the student's prompt). Each cause's size:
+    the step's token mean of the values as found, against the same with that departure alone
+    undone; a value nothing explains is a cause too (`value:unexplained`), its size that of the
+    positions it holds."""
     name = "divergence"
     if not dump.rows or not all("divergence" in t for t in dump.rows.values()):
         return Check(name, "not checked", ["the dump holds no divergence for every row"], []), None
     peer = {r: t["divergence"].double() for r, t in dump.rows.items()}
     bad = [r for r in peer if r >= len(ref.rows) or peer[r].shape != (ref.lengths[r],)]
     if bad:
-        return Check(name, "differs",
-                     [f"row {r}: {tuple(peer[r].shape)} values, the fixture's answer has "
-                      f"{ref.lengths[r] if r < len(ref.rows) else 'no such row'} positions"
-                                       for r in bad[:5]], []), None
+        lines = []
+        for r in bad[:5]:
+            length = "no such row"
+            if r < len(ref.rows):
+                length = ref.lengths[r]
+            lines.append(f"row {r}: {tuple(peer[r].shape)} values, the fixture's answer has "
+                         f"{length} positions")
+        return Check(name, "differs", lines, []), None
     rows = sorted(peer)
     lengths = [ref.lengths[r] for r in rows]
     y = torch.cat([torch.tensor(ref.rows[r]["completion_ids"]) for r in rows])
@@ -1247,15 +1628,23 @@ def compare_divergence(ref, dump, declared, skip, size, divided=False, own_promp
     def per_row(values):
         return dict(zip(rows, values.split(lengths)))
 
+    def step(values):  # the step's token mean over the positions in the loss
+        return float(values[kept].sum()) / max(total, 1)
+
     def fixture_values(**kw):
         numbers = reference_numbers(ref, rows, **kw)
+        numbers["student"].sampler = sampler_of(dump, rows)
         return config_values(declared, numbers["student"], numbers["teacher"], y, P, TOL_LOGPROB)
 
     asked = fixture_values()
     n = int((close(P, asked) & kept).sum())
-    against = "the reference's (with your prompt ids)" if own_prompts else "the fixture's"
+    against = "the fixture's"
+    if own_prompts:
+        against = "the reference's (with your prompt ids)"
     head = f"{describe(declared)}: {n} of {total} positions within {TOL_DIVERGENCE[0]:g} + " \
            f"{TOL_DIVERGENCE[1]:g} x |value| of {against}"
+    if n < total:
+        head += zero_note(near_zero(P, asked, kept))
     if skip:
         head += f" (positions {skip} on; the first {skip} are left out of the loss)"
     largest = float(((P - asked).abs() * kept).max())
@@ -1264,6 +1653,7 @@ def compare_divergence(ref, dump, declared, skip, size, divided=False, own_promp
                      found=f"the value: {kind_of(declared)}, {describe(declared)} (as declared), "
                            f"all {total} positions within tolerance (largest difference "
                            f"{largest:.1e})"), peer
+    unexplained = (step(P), step(torch.where(close(P, asked), P, asked)))
     own = own_numbers(dump, rows, divided)
     if own is not None:
         fit = Fit(own["student"], own["teacher"], y, P, kept, declared)
@@ -1271,29 +1661,50 @@ def compare_divergence(ref, dump, declared, skip, size, divided=False, own_promp
         numbers = "sampled-token log-probs"
         if own["student"].full and own["teacher"].full:
             numbers = "log-probs"
+        if own["teacher"].sparse:
+            numbers = "top-K log-probs"
         if own["student"].free or own["teacher"].free:
             numbers = "logits"
         said = describe(c, numbers == "logits")
+        allowed = allowance(own)
         if count == total:
             causes = differences(c, declared, note)
-            largest = float(((P - fit.values(c)).abs() * kept).max())
+            values = fit.values(c)
+            largest = float(((P - values).abs() * kept).max())
             lines = [head, f"every position equals {said}, from your {numbers}"]
             if not causes:
                 lines[1] = "every position is computed as asked from your log-probs, so the " \
                            "differences come from the log-probs (above)"
+            if allowed:
+                lines.append(allowed)
+            sized = own
+            if not (own["student"].full and own["teacher"].full):
+                sized = reference_numbers(ref, rows)
+            with_it = step(config_values(c, sized["student"], sized["teacher"], y))
+            sizes = {}
+            for cause, _ in causes:
+                back = undone(c, cause, declared)
+                sizes[cause] = (with_it, step(config_values(back, sized["student"],
+                                                            sized["teacher"], y)))
+            found = f"the value: {kind_of(c)}, {said}, from your {numbers}: all {total} " \
+                    f"positions within tolerance{zero_note(near_zero(P, values, kept))} " \
+                    f"(largest difference {largest:.1e})"
             return Check(name, "differs", lines, [cause for cause, _ in causes], dict(causes),
-                         f"the value: {kind_of(c)}, {said}, from your {numbers}: all {total} "
-                         f"positions within tolerance (largest difference {largest:.1e})"), peer
+                         found, sizes), peer
         lines = [head,
                  f"no configuration tried explains your values from your own {numbers} within "
                  "tolerance"]
+        if allowed:
+            lines.append(allowed)
         if count >= HINT_SHARE * total and not fit.degenerate(c):
             lines.append(f"the nearest, {said}, matches {count} of {total} positions "
-                         f"({count / total:.0%})")
-        return Check(name, "differs", lines, [],
-                     found="the value: no configuration tried explains it"), peer
+                         f"({count / total:.0%}){zero_note(near_zero(P, fit.values(c), kept))}")
+        return Check(name, "differs", lines, ["value:unexplained"],
+                     found="the value: no configuration tried explains it",
+                     sizes={"value:unexplained": unexplained}), peer
     # no numbers of its own: the reference's, under the declared configuration with the positions
-    # shifted or counted over pads, then every configuration fitted
+    # shifted or counted over pads or the teacher given the student's prompt, then every
+    # configuration fitted
     hypotheses = {"the fixture": (asked, [])}
     for offset in (1, -1):
         hypotheses[f"positions shifted by {offset:+d}"] = (fixture_values(offset=offset),
@@ -1301,7 +1712,13 @@ def compare_divergence(ref, dump, declared, skip, size, divided=False, own_promp
     for sides in (("student",), ("teacher",), SIDES):
         hypotheses[f"position ids counted over the pads ({' and '.join(sides)})"] = (
             fixture_values(padded=sides, size=size), [f"position-ids:{s}" for s in sides])
+    student = reference_numbers(ref, rows)["student"]
+    as_student = config_values(declared._replace(teacher_t=declared.student_t), student, student, y)
+    if bool(close(P, as_student)[kept].all()):  # what a teacher shown the student's prompt gives
+        hypotheses["the teacher given the student's prompt"] = (as_student,
+                                                               ["prompt:teacher=student"])
     shorter = {side: ref.shorter(side, size) for side in SIDES}
+    undo = {}  # {hypothesis: {cause: the values with that cause alone undone}}
 
     def read(hypotheses):  # diagnose's reading, over the positions in the loss
         errors, matched = {}, {}
@@ -1311,10 +1728,11 @@ def compare_divergence(ref, dump, declared, skip, size, divided=False, own_promp
         return diagnose({h: c for h, (_, c) in hypotheses.items()}, errors, matched,
                         {r: max(0, ref.lengths[r] - skip) for r in rows}, shorter)
 
-    found, causes, explained = read(hypotheses)
+    reading = read(hypotheses)
     notes, identified = {}, None
-    if not explained:
+    if not reading.explained:
         numbers = reference_numbers(ref, rows)
+        numbers["student"].sampler = sampler_of(dump, rows)
         fit = Fit(numbers["student"], numbers["teacher"], y, P, kept, declared, TOL_LOGPROB)
         count, c, note = fit.identify()[0]
         if count > total // 2:  # a majority: the positions it leaves are read by their pattern
@@ -1322,19 +1740,39 @@ def compare_divergence(ref, dump, declared, skip, size, divided=False, own_promp
             label = describe(c)
             trial = dict(hypotheses)
             trial[label] = (fit.values(c), [cause for cause, _ in changes])
-            lines, named, explained = read(trial)
-            if explained:
-                found, causes, notes = lines, named, dict(changes)
-                identified = f"the value: {kind_of(c)}, {label}" + (
-                    f": all {total} positions within tolerance" if count == total else "")
-        if not explained and count >= HINT_SHARE * total and not fit.degenerate(c):
-            found.append(f"the nearest configuration tried, {describe(c)}, matches {count} of "
-                         f"{total} positions ({count / total:.0%})")
-    if not explained:
-        found.append("no configuration tried explains your values within tolerance")
+            second = read(trial)
+            if second.explained:
+                reading, hypotheses, notes = second, trial, dict(changes)
+                undo[label] = {cause: fit.values(undone(c, cause, declared))
+                               for cause, _ in changes}
+                identified = f"the value: {kind_of(c)}, {label}"
+                if count == total:
+                    identified += f": all {total} positions within tolerance"
+        if not reading.explained and count >= HINT_SHARE * total and not fit.degenerate(c):
+            reading.lines.append(f"the nearest configuration tried, {describe(c)}, matches {count} "
+                                 f"of {total} positions ({count / total:.0%})")
+    causes = list(reading.causes)
+    if not reading.explained:
+        reading.lines.append("no configuration tried explains your values within tolerance")
         identified = "the value: no configuration tried explains it"
+        causes.append("value:unexplained")
+    best = hypotheses[reading.best][0]
+    sizes = {}
+    for cause in causes:
+        instead = best  # what the positions it explains would be without it
+        if cause in hypotheses[reading.best][1]:
+            instead = undo.get(reading.best, {}).get(cause, asked)
+        at = reading.positions.get(cause)
+        if cause == "value:unexplained":
+            at = reading.positions[None]
+        mask = torch.zeros_like(kept)
+        for r, m in at.items():
+            first = sum(lengths[:rows.index(r)])
+            mask[first + skip:first + lengths[rows.index(r)]] = m
+        sizes[cause] = (step(P), step(torch.where(mask, instead, P)))
     notes = {c: t for c, t in notes.items() if c in causes and t}
-    return Check(name, "differs", [head, *found[1:]], causes, notes, identified), peer
+    return Check(name, "differs", [head, *reading.lines[1:]], causes, notes, identified,
+                 sizes), peer
 
 
 def setting_figures(ref, setting):
@@ -1378,9 +1816,10 @@ def compare_loss(ref, dump, skip, peer_values, source, expected):
     identified = None
     if len(hits) == 1:
         causes = candidates[hits[0]][0]
-        lines.append(f"your loss is {hits[0]}"
-                     + (f" ({rel(dump.loss, step):+.2%} against the step's token mean)"
-                                                  if causes else ""))
+        line = f"your loss is {hits[0]}"
+        if causes:
+            line += f" ({rel(dump.loss, step):+.2%} against the step's token mean)"
+        lines.append(line)
         off = abs(rel(dump.loss, candidates[hits[0]][1]))
         identified = f"the loss: {hits[0]}, {off:.1e} relative from it"
     elif hits:
@@ -1397,12 +1836,15 @@ def compare_loss(ref, dump, skip, peer_values, source, expected):
     else:
         lines.append("your loss is none of these normalisations of those values")
     ok = abs(rel(dump.loss, expected)) <= TOL_LOSS
-    return Check(name, "matches" if ok else "differs", lines, causes, notes, identified)
+    sizes = {cause: (dump.loss, step) for cause in causes}  # undone: the step's token mean
+    return Check(name, "matches" if ok else "differs", lines, causes, notes, identified, sizes)
 
 
 def compare_prompts(ref, dump):
-    """Check: the prompt ids the peer dumped, token for token."""
-    lines, causes, dumped = [], [], 0
+    """Check: the prompt ids the peer dumped, token for token; a teacher's ids equal to the
+    student's (the student's dumped, or else the fixture's) are said as such. Where both sides
+    differ, the first rows of each are listed."""
+    lines, causes, dumped = {side: [] for side in SIDES}, [], 0
     for side in SIDES:
         for row, tensors in sorted(dump.rows.items()):
             if f"{side}_prompt_ids" not in tensors:
@@ -1410,21 +1852,32 @@ def compare_prompts(ref, dump):
             dumped += 1
             ours = ref.rows[row][f"{side}_prompt_ids"]
             theirs = tensors[f"{side}_prompt_ids"].tolist()
-            if ours != theirs:
+            student = ref.rows[row]["student_prompt_ids"]
+            if "student_prompt_ids" in tensors:
+                student = tensors["student_prompt_ids"].tolist()
+            if side == "teacher" and theirs == student:
+                lines[side].append(f"row {row}, teacher: the student's own {len(theirs)} ids "
+                                   f"(the fixture's teacher has {len(ours)}, with the reference)")
+                causes.append("prompt:teacher=student")
+            elif ours != theirs:
                 at = next((i for i, (a, b) in enumerate(zip(ours, theirs)) if a != b),
                           min(len(ours), len(theirs)))
-                lines.append(f"row {row}, {side}: {len(theirs)} ids, the fixture's {len(ours)}; "
-                             f"the first difference at token {at} (the fixture's ids "
-                             f"{ours[max(0, at - 2):at + 3]}, yours "
-                             f"{theirs[max(0, at - 2):at + 3]})")
+                lines[side].append(f"row {row}, {side}: {len(theirs)} ids, the fixture's "
+                                   f"{len(ours)}; the first difference at token {at} (the "
+                                   f"fixture's ids {ours[max(0, at - 2):at + 3]}, yours "
+                                   f"{theirs[max(0, at - 2):at + 3]})")
                 causes.append(f"prompt:{side}")
     if not dumped:
         return Check("prompts", "not checked", ["the dump holds no prompt ids"], [])
-    if not lines:
+    count = sum(len(x) for x in lines.values())
+    if not count:
         return Check("prompts", "matches",
                      [f"all {dumped} dumped prompts are the fixture's, token for token"], [])
-    return Check("prompts", "differs", [f"{len(lines)} of {dumped} dumped prompts differ",
-                                        *lines[:6]],
+    shown = 6
+    if all(lines.values()):
+        shown = 3  # of each side
+    listed = [line for side in SIDES for line in lines[side][:shown]]
+    return Check("prompts", "differs", [f"{count} of {dumped} dumped prompts differ", *listed],
                  list(dict.fromkeys(causes)))
 
 
@@ -1460,11 +1913,11 @@ def declared_config(dump, fixture):
     if dump.setting is not None and dump.setting not in settings:
         raise SystemExit(f"verify.py: setting {dump.setting!r} is not one of the fixture's: "
                          f"{', '.join(settings)} (or declare your own: temperature, beta, tau, "
-                         "skip_first_tokens, support).")
+                         "skip_first_tokens, support, form).")
     if dump.clip not in CLIPS:
         raise SystemExit(f"verify.py: clip {dump.clip!r} is not one of {', '.join(CLIPS)} (a peer "
                          "without a clip compares with 'none').")
-    setting = {"skip_first_tokens": 0, "support": "full"}
+    setting = {"skip_first_tokens": 0, "support": "full", "beta": 0.0}
     if dump.setting is not None:
         setting.update(settings[dump.setting])
     stored = not dump.declared
@@ -1472,58 +1925,94 @@ def declared_config(dump, fixture):
     if "tau" not in setting and dump.clip != "none":
         raise SystemExit("verify.py: the dump's clip acts at a tau its metadata does not give: "
                          "declare 'tau'.")
-    for key, ok, rule in (("temperature", lambda v: v > 0, "above 0"), ("beta",
-                                                                        lambda v: 0 <= v <= 1,
-                          "from 0 to 1"), ("tau", lambda v: v > 0, "above 0"),
-                          ("skip_first_tokens", lambda v: v >= 0, "0 or more")):
+    rules = (("temperature", lambda v: v > 0, "above 0"), ("beta", lambda v: 0 <= v <= 1,
+             "from 0 to 1"), ("tau", lambda v: v > 0, "above 0"),
+             ("skip_first_tokens", lambda v: v >= 0, "0 or more"))
+    for key, ok, rule in rules:
         if key in setting and not ok(setting[key]):
             raise SystemExit(f"verify.py: the dump's {key} is {setting[key]}; it must be {rule}.")
     support = parse_support(setting["support"])
+    if "form" in setting and support["support"] == "sampled-token":
+        raise SystemExit("verify.py: the dump declares a form and a sampled-token support: the "
+                         "sampled token's form is the support's (sampled-token:FORM); leave 'form' "
+                         "out.")
+    form = {}
+    if "form" in setting:
+        form = parse_form(setting["form"])
     T = setting["temperature"]
-    return Config(T, T, setting["beta"], dump.clip, setting.get("tau", 0.05), **support), \
-        setting["skip_first_tokens"], stored
+    c = Config(T, T, setting["beta"], dump.clip, setting.get("tau", 0.05), **{**support, **form})
+    return c, setting["skip_first_tokens"], stored
+
+
+def computable(c, numbers):
+    """Whether configuration c's values can be computed from these {side: Numbers}."""
+    if numbers["student"].full and numbers["teacher"].full:
+        return True
+    if c.support == "sampled-token":
+        return True
+    sparse = numbers["student"].sparse and numbers["teacher"].sparse
+    return sparse and c.support == "top-k" and c.by == "teacher" \
+        and c.k <= numbers["teacher"].ids.shape[-1]
 
 
 def verify(dump, ref):
-    """[Check] of a Dump against a Reference, in the order they are best read."""
+    """[Check] of a Dump against a Reference, in the order they are best read; each cause's size
+    given with the expected loss: {cause: (with it, undone, expected)}."""
     declared, skip, stored = declared_config(dump, ref.fixture)
     size = dump.micro_batch_size or ref.micro_batch_size
-    checks = [compare_batches(dump), compare_prompts(ref, dump)]
+    rows = list(range(len(ref.rows)))
+    y = torch.cat([torch.tensor(r["completion_ids"]) for r in ref.rows])
+    lengths = ref.lengths
+
+    def step_loss(reference):  # the declared loss from a reference's numbers
+        numbers = reference_numbers(reference, rows)
+        numbers["student"].sampler = sampler_of(dump, rows)
+        asked = config_values(declared, numbers["student"], numbers["teacher"], y)
+        return normalised(list(asked.split(lengths)), "step", size, skip)
+
+    if stored and dump.setting is not None:
+        expected = ref.fixture["expected"][dump.setting][dump.clip]["loss"]
+    else:
+        expected = step_loss(ref)
+    prompts = compare_prompts(ref, dump)
+    checks = [compare_batches(dump), prompts]
     theirs = {side: {r: t[f"{side}_prompt_ids"].tolist() for r, t in dump.rows.items()
                      if f"{side}_prompt_ids" in t and r < len(ref.rows)
                      and t[f"{side}_prompt_ids"].tolist() != ref.rows[r][f"{side}_prompt_ids"]}
               for side in SIDES}
     peer_ref = ref.with_prompts(theirs)  # what else differs is read with the peer's own prompts
+    if prompts.causes:
+        with_it = step_loss(peer_ref)
+        sizes = {}
+        for cause in prompts.causes:
+            side = "teacher"
+            if cause == "prompt:student":
+                side = "student"
+            rest = {s: changed for s, changed in theirs.items() if s != side}
+            sizes[cause] = (with_it, step_loss(ref.with_prompts(rest)))
+        checks[1] = prompts._replace(sizes=sizes)
     divided, inferred = logits_form(peer_ref, dump, declared.student_t)
     sides = [compare_side(peer_ref, dump, side, declared, size, divided, inferred,
-                          bool(theirs[side]))
-             for side in SIDES]
-    if all("logits:divided" in c.causes
-           for c in sides):  # the dump says raw; both sides show them divided
-        divided = True
+                          bool(theirs[side]), skip) for side in SIDES]
+    if all("logits:divided" in c.causes for c in sides):
+        divided = True  # the dump says raw; both sides show them divided
     checks += sides
     divergence_check, values = compare_divergence(peer_ref, dump, declared, skip, size, divided,
                                                   any(theirs.values()))
-    rows = list(range(len(ref.rows)))
-    numbers = reference_numbers(ref, rows)
-    y = torch.cat([torch.tensor(r["completion_ids"]) for r in ref.rows])
-    lengths = ref.lengths
-    if stored and dump.setting is not None:
-        expected = ref.fixture["expected"][dump.setting][dump.clip]["loss"]
-    else:
-        asked = config_values(declared, numbers["student"], numbers["teacher"], y)
-        expected = normalised(list(asked.split(lengths)), "step", size, skip)
     source = "your per-position divergences"
     if values is None or len(values) != len(ref.rows):
         own = None
         if len(dump.rows) == len(ref.rows):
             own = own_numbers(dump, rows, divided)
         source = "your log-probs' values"
-        if own is None:
+        if own is None or not computable(declared, own):
             own, source = reference_numbers(peer_ref, rows), "the reference's per-position values"
+            own["student"].sampler = sampler_of(dump, rows)
         values = dict(enumerate(config_values(declared, own["student"], own["teacher"],
                                               y).split(lengths)))
     checks += [divergence_check, compare_loss(ref, dump, skip, values, source, expected)]
+    checks = [c._replace(sizes={cause: (*pair, expected) for cause, pair in c.sizes.items()})
+              for c in checks]
     return rule_out(checks, ruled_out(dump, ref, size))
 
 
@@ -1567,11 +2056,26 @@ def causes_of(checks):
     return list(dict.fromkeys(c for check in checks for c in check.causes))
 
 
+def size_of(with_it, without, expected):
+    """(the size causes are ordered by, its words): how far one departure moves the loss, against
+    the expected loss."""
+    scale = max(abs(expected), 1e-12)
+    moved = (with_it - without) / scale
+    change = f"by {moved:+.2%} of the expected"
+    if with_it * without > 0 and with_it / without >= 1.5:
+        change = f"x{with_it / without:.3g}"
+    words = f"it moves the loss {change}; undone alone, the loss would be {without:.6g} " \
+            f"({(without - expected) / scale:+.2%} from the expected {expected:.6g})"
+    return abs(moved), words
+
+
 def report(checks, dump, path):
     setting = dump.setting or "your own"
     declared = ", ".join(f"{k} {v}" for k, v in dump.declared.items())
-    out = [f"verify.py: {path}: setting {setting}" + (f" ({declared})" if declared else "") +
-           f", clip {dump.clip}, {len(dump.rows)} rows"]
+    head = f"verify.py: {path}: setting {setting}"
+    if declared:
+        head += f" ({declared})"
+    out = [head + f", clip {dump.clip}, {len(dump.rows)} rows"]
     for check in checks:
         out.append(f"[{check.status}] {check.name}: {check.lines[0]}")
         out += [f"    {line}" for line in check.lines[1:]]
@@ -1581,10 +2085,20 @@ def report(checks, dump, path):
         out += [f"  - {line}" for line in found]
     causes = causes_of(checks)
     if causes:
-        out.append("Likely causes (where you differ from the declared definition):")
+        out.append("Likely causes (where you differ from the declared definition), the largest "
+                   "effect on the loss first:")
         notes = {c: n for check in checks for c, n in check.notes.items()}
-        out += [f"  - {c}: {CAUSES[c]}" + (f" ({notes[c]})" if notes.get(c) else "")
-                for c in causes]
+        sizes = {}
+        for check in checks:
+            for cause, size in check.sizes.items():
+                sizes.setdefault(cause, size_of(*size))
+        unmeasured = (-1.0, "its size is not measured: the dump holds no numbers it acts on")
+        causes.sort(key=lambda c: -sizes.get(c, unmeasured)[0])
+        for c in causes:
+            line = f"  - {c}: {CAUSES[c]}"
+            if notes.get(c):
+                line += f" ({notes[c]})"
+            out += [line, f"      {sizes.get(c, unmeasured)[1]}"]
     elif any(c.status == "differs" for c in checks):
         out.append("No cause is identified by the numbers: see the differences above.")
     else:
