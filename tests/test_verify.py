@@ -967,14 +967,16 @@ def test_the_teachers_top_k_renormalised_and_the_students_raw(model, reference, 
 
 def test_an_importance_sampling_surrogate_is_told_apart(model, reference, tmp_path):
     """At ratio 1 its values are the reverse KL's estimate: named so, with the importance-sampling surrogate and its
-    gradient said beside it. With the sampler's own log-probs dumped (off by up to 0.05), it is named as such;
-    declared as it runs, it matches; REINFORCE's surrogate stays named as that."""
+    gradient said beside it, from a hosted service's numbers (the teacher's top 20 and both sides' sampled-token
+    log-probs), which say what they cannot show. With the sampler's own log-probs dumped (off by up to 0.05), it is
+    named as such; declared as it runs, it matches; REINFORCE's surrogate stays named as that."""
     keep = ("token", "divergence")
-    checks, causes, report = run_verifier(dump_of(ImportanceSampled(), model, tmp_path, "reverse-T1.0", "none", keep),
-                                          reference)
+    checks, causes, report = run_verifier(dump_of(ImportanceSampled(), model, tmp_path, "reverse-T1.0", "none",
+                                                  keep + ("teacher-topk",)), reference)
     assert causes == {"sampled-token:estimate"}, report
     assert "an importance-sampling surrogate at ratio 1 has the same values, and the reverse KL's policy gradient" \
         in report, report
+    assert "these numbers cannot show any value over several entries" in report, report
     port = ImportanceSampled(gap=0.05)
     checks, causes, report = run_verifier(dump_of(port, model, tmp_path, "reverse-T1.0", "none",
                                                   keep + ("sampler",)), reference)
