@@ -637,13 +637,14 @@ class Fit:
         self.declared, self.tie = declared, tie
         self.total = int(kept.sum())
         index = kept.nonzero()[:, 0]
-        index = index[torch.linspace(0, len(index) - 1, min(FIT_POSITIONS,
-                                                            len(index))).round().long()]
+        spread = torch.linspace(0, len(index) - 1, min(FIT_POSITIONS, len(index)))
+        index = index[spread.round().long()]
         self.search = (student.at(index), teacher.at(index), y[index], peer[index])
 
     def values(self, c, on_search=False):
-        student, teacher, y, peer = self.search if on_search else (self.student, self.teacher,
-                                                                   self.y, self.peer)
+        student, teacher, y, peer = self.student, self.teacher, self.y, self.peer
+        if on_search:
+            student, teacher, y, peer = self.search
         return config_values(c, student, teacher, y, peer, self.tie)
 
     def count(self, c):
