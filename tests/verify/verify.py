@@ -1,13 +1,14 @@
 """Verify another implementation of OPSD's loss against one optimizer step of the miniature model.
 
-    python tests/verify/verify.py DUMP        # DUMP: the peer's numbers for fixture.json's rows (README.md here)
+    python tests/verify/verify.py DUMP    # DUMP: the peer's numbers (README.md here: the dump)
 
-fixture.json holds 24 rollouts of tests/miniature/model, each with its prompts (as strings, as token ids, with
-their chat-template flags) and, per answer position, the divergence at several settings. This script recomputes
-every row's logits alone (no padding) in float64 from the model, compares the peer's numbers with them check by
-check (its prompts and batches when dumped, each side's log-probs, the per-position divergence, the loss), and
-names a likely cause where the numbers identify one. It prints the report; the exit status is 0 when every check
-that ran matches, 1 otherwise. Only torch, transformers and safetensors are needed, and no GPU.
+fixture.json holds 24 rollouts of tests/miniature/model, each with its prompts (as strings, as token
+ids, with their chat-template flags) and, per answer position, the divergence at several settings.
+This script recomputes every row's logits alone (no padding) in float64 from the model, compares the
+peer's numbers with them check by check (its prompts and batches when dumped, each side's log-probs,
+the per-position divergence, the loss), and names a likely cause where the numbers identify one. It
+prints the report; the exit status is 0 when every check that ran matches, 1 otherwise. Only torch,
+transformers and safetensors are needed, and no GPU.
 """
 
 import argparse
@@ -27,15 +28,17 @@ FIXTURE = HERE / "fixture.json"
 SIDES = ("student", "teacher")
 CLIPS = ("none", "entry", "token")
 
-# Tolerances, for a peer computing in float32 (the model's dtype) against this float64 reference, from
-# tolerances.py: a float32 peer with left padding and no position ids (its rows' position ids shifted by their pad
-# counts, which moves rotary rounding), over every setting and clip of fixture.json, errs by up to 2.4e-4 in log p
-# (any vocabulary entry), 5.7e-6 on a divergence below 0.1 and 6.8e-5 relative above, 7.0e-6 relative on the loss.
-# The tolerances are 10, 10, 10 and 7 times those; the loss's normalisations differ by 14 times its tolerance or more.
+# Tolerances, for a peer computing in float32 (the model's dtype) against this float64 reference,
+# from tolerances.py: a float32 peer with left padding and no position ids (its rows' position ids
+# shifted by their pad counts, which moves rotary rounding), over every setting and clip of
+# fixture.json, errs by up to 2.4e-4 in log p (any vocabulary entry), 5.7e-6 on a divergence below
+# 0.1 and 6.8e-5 relative above, 7.0e-6 relative on the loss. The tolerances are 10, 10, 10 and 7
+# times those; the loss's normalisations differ by 14 times its tolerance or more.
 TOL_LOGPROB = 2.5e-3  # the largest |delta log p| over the vocabulary at a position
 TOL_DIVERGENCE = (6e-5, 7e-4)  # absolute, relative
 TOL_LOSS = 5e-5  # relative
-# A pad-predicted first position: its error is this many times the largest error at the row's other positions
+# A pad-predicted first position: its error is this many times the largest error at the row's other
+# positions
 PAD_FIRST_RATIO = 10.0
 
 
@@ -54,28 +57,37 @@ def load_model(model_dir):
 
 @torch.no_grad()
 def row_logits(model, prompt, completion, gap=0):
-    """(L + 2, V) raw logits of one row alone, prompt then answer, no padding: position ids 0, 1, ... (with
-    `gap`, the answer's start `gap` later, as if counted over that many pads after the prompt). Index 1 + j
-    is the output at the token before answer token j, the one that predicts it; index 0 and L + 1 are the
-    outputs one position earlier than answer token 0's and one later than the last's, so that a peer
-    shifted by one position either way can be recognised at every position."""
+    """(L + 2, V) raw logits of one row alone, prompt then answer, no padding: position ids 0, 1,
+    ... (with `gap`, the answer's start `gap` later, as if counted over that many pads after the
+    prompt). Index 1 + j is the output at the token before answer token j, the one that predicts it;
+    index 0 and L + 1 are the outputs one position earlier than answer token 0's and one later than
+    the last's, so that a peer shifted by one position either way can be recognised at every
+    position."""
     P, L = len(prompt), len(completion)
     positions = torch.cat([torch.arange(P), torch.arange(P + gap, P + gap + L)])
-    out = model(input_ids=torch.tensor([prompt + completion]), position_ids=positions[None]).logits[0]
+    out = model(input_ids=torch.tensor([prompt + completion]),
+                position_ids=positions[None]).logits[0]
     return out[P - 2:P + L]
 
 
-def divergence_terms(log_s, log_t, beta):
-    """(..., V) terms d_v whose sum over the vocabulary is the position's divergence, from both sides'
-    log-probs at the loss temperature:
+def divergence_terms(log_s, log_t, beta, form="term", w=0.5):
+    """(..., V) terms d_v whose sum over the vocabulary is the position's value, from both sides'
+    log-probs at the loss temperature. Form "term", the divergence of beta:
       beta 0:  p_T(v) (log p_T(v) - log p_S(v))                  forward KL(T || S)
       beta 1:  p_S(v) (log p_S(v) - log p_T(v))                  reverse KL(S || T)
       else:    beta KL_v(T || M) + (1 - beta) KL_v(S || M),      M = beta p_T + (1 - beta) p_S
+    Form "mixed", the two KLs weighted by w (beta unused): w KL_v(T || S) + (1 - w) KL_v(S || T).
+    Form "cross-entropy": -p_T(v) log p_S(v), whose sum is KL(T || S) plus the teacher's entropy.
     A zero probability contributes zero, whatever its log."""
     def term(log_p, log_q):  # p (log p - log q), 0 where p = 0
         p = log_p.exp()
         return torch.where(p > 0, p * (log_p - log_q), torch.zeros_like(p))
 
+    if form == "mixed":
+        return w * term(log_t, log_s) + (1.0 - w) * term(log_s, log_t)
+    if form == "cross-entropy":
+        p_t = log_t.exp()
+        return torch.where(p_t > 0, -p_t * log_s, torch.zeros_like(p_t))
     if beta == 0.0:
         return term(log_t, log_s)
     if beta == 1.0:
@@ -84,60 +96,81 @@ def divergence_terms(log_s, log_t, beta):
     return beta * term(log_t, log_m) + (1.0 - beta) * term(log_s, log_m)
 
 
-def divergence(log_s, log_t, *, beta, clip, tau):
-    """(...,) each position's loss term: "entry" clips each d_v at tau before the sum, "token" clips the sum
-    at tau, "none" leaves it."""
-    d = divergence_terms(log_s, log_t, beta)
+def divergence(log_s, log_t, *, beta, clip, tau, form="term", w=0.5):
+    """(...,) each position's loss term: "entry" clips each d_v at tau before the sum, "token" clips
+    the sum at tau, "none" leaves it."""
+    d = divergence_terms(log_s, log_t, beta, form, w)
     if clip == "entry":
         return d.clamp(max=tau).sum(-1)
     k = d.sum(-1)
     return k.clamp(max=tau) if clip == "token" else k
 
 
-# What the field also computes: the divergence over one side's top k entries, renormalised over them or with one
-# more entry for the rest of each side's mass; and one value from the sampled answer token y alone.
+# What the field also computes: the divergence over one side's top k entries, renormalised over
+# them, with one more entry for the rest of each side's mass, or one side renormalised and the
+# other's log-probs used as they are; and one value from the sampled answer token y alone.
 
-def top_k_log_probs(log_s, log_t, k, tail, order):
-    """Both sides' (..., k) log-probs on the top k entries of one side, renormalised over them (tail False) or
-    (..., k + 1) with a last entry log(1 - their mass) holding the rest (tail True). order: (..., >= k) that
-    side's entries, largest first (its argsort, descending)."""
+def top_k_log_probs(log_s, log_t, k, tail, order, raw=""):
+    """Both sides' (..., k) log-probs on the top k entries of one side, renormalised over them (tail
+    False) or (..., k + 1) with a last entry log(1 - their mass) holding the rest (tail True); the
+    side named by `raw` keeps its log-probs there as they are (their sum below 1). order: (..., >=
+    k) that side's entries, largest first (its argsort, descending)."""
     out = []
-    for log_p in (log_s, log_t):
+    for side, log_p in zip(SIDES, (log_s, log_t)):
         top = log_p.gather(-1, order[..., :k])
         mass = torch.logsumexp(top, -1, keepdim=True)
-        if tail:
+        if side == raw:
+            out.append(top)
+        elif tail:
             out.append(torch.cat([top, torch.log(-torch.expm1(mass.clamp(max=0.0)))], -1))
         else:
             out.append(top - mass)
     return out
 
 
-# The values a peer can take from the sampled token y alone, a = log p_S(y) and b = log p_T(y) (y drawn from the
-# student). Their kind: a divergence's term, an estimator of a divergence, or a policy-gradient surrogate.
+# The values a peer can take from the sampled token y alone, a = log p_S(y) and b = log p_T(y) (y
+# drawn from the student). Their kind: a divergence's term, an estimator of a divergence, or a
+# policy-gradient surrogate. An estimator's gradient through log p_S(y), with y drawn from the
+# student, averages to zero; the two surrogates hold the advantage A = log p_T(y) - log p_S(y)
+# fixed, so that theirs is the reverse KL's policy gradient, -A grad log p_S(y), whose average is
+# the reverse KL's gradient.
 SAMPLED_FORMS = {
     "term": ("a divergence's term", "its term at y, d_y"),
-    "estimate": ("an estimator", "its one-sample estimate d_y / p_S(y) (at beta 1, log p_S(y) - log p_T(y))"),
+    "estimate": ("an estimator",
+                 "its one-sample estimate d_y / p_S(y) (at beta 1, log p_S(y) - log p_T(y))"),
     "k2": ("an estimator", "(log p_S(y) - log p_T(y))^2 / 2, an estimate of the reverse KL"),
-    "k3": ("an estimator", "p_T(y) / p_S(y) - 1 - log(p_T(y) / p_S(y)), an estimate of the reverse KL"),
-    "surrogate": ("a policy-gradient surrogate", "-(log p_T(y) - log p_S(y)) log p_S(y), the advantage "
-                                                 "log p_T(y) - log p_S(y) held fixed (its gradient is the sampled "
-                                                 "estimate of the reverse KL's; its value is no divergence)"),
+    "k3": ("an estimator",
+           "p_T(y) / p_S(y) - 1 - log(p_T(y) / p_S(y)), an estimate of the reverse KL"),
+    "surrogate": ("a policy-gradient surrogate (REINFORCE's)",
+                  "-(log p_T(y) - log p_S(y)) log p_S(y), the advantage log p_T(y) - log p_S(y) "
+                  "held fixed (its gradient is the reverse KL's policy gradient; its value is no "
+                  "divergence)"),
+    "importance": ("an importance-sampling surrogate",
+                   "-exp(log p_S(y) - log p_sampler(y)) (log p_T(y) - log p_S(y)), the advantage "
+                   "held fixed: at ratio 1 its value is log p_S(y) - log p_T(y) and its gradient "
+                   "the reverse KL's policy gradient"),
 }
 
 
-def sampled_value(a, b, form, beta, clamp=False):
-    """(N,) one value per position from a = log p_S(y), b = log p_T(y) (SAMPLED_FORMS). The divergence's halves,
-    for "term" and "estimate" (their sum; one half at beta 0 or 1):
-      term:      beta p_T(y) (b - log m(y))  and  (1 - beta) p_S(y) (a - log m(y)),  m = beta p_T + (1 - beta) p_S
+def sampled_value(a, b, form, beta, clamp=False, sampler=None):
+    """(N,) one value per position from a = log p_S(y), b = log p_T(y) (SAMPLED_FORMS); sampler: the
+    sampler's log p_S(y), for "importance" (None: the same as a, the ratio 1). The divergence's
+    halves, for "term" and "estimate" (their sum; one half at beta 0 or 1):
+      term:      beta p_T(y) (b - log m(y))  and  (1 - beta) p_S(y) (a - log m(y)),
+                 m = beta p_T + (1 - beta) p_S
       estimate:  the same divided by p_S(y)
-    (beta 0: p_T(y) (b - a); beta 1: p_S(y) (a - b); the generalized JSD vanishes as beta goes to 0 or 1, so the
-    ends are the KLs themselves). clamp: each half bounded below at 0."""
+    (beta 0: p_T(y) (b - a); beta 1: p_S(y) (a - b); the generalized JSD vanishes as beta goes to 0
+    or 1, so the ends are the KLs themselves). clamp: each half bounded below at 0."""
     if form == "k2":
         return 0.5 * (a - b) ** 2
     if form == "k3":
         return torch.expm1(b - a) - (b - a)
     if form == "surrogate":
         return (a - b) * a
+    if form == "importance":
+        if sampler is None:
+            sampler = a
+        return -torch.exp(a - sampler) * (b - a)
     weight_t, weight_s = b.exp(), a.exp()
     if form == "estimate":
         weight_t, weight_s = (b - a).exp(), torch.ones_like(a)
@@ -161,7 +194,8 @@ def normalised(values, how, micro_batch_size, skip=0, count_skipped=False):
       step:         their sum over the whole step / their number (opsd's)
       micro-batch:  the mean over micro-batches (consecutive rows) of each one's sum / its number
       answer:       the mean over answers of each answer's sum / its number
-      row:          the mean over answers of each answer's sum (the step's sum / the number of answers)
+      row:          the mean over answers of each answer's sum (the step's sum / the number of
+                    answers)
       sum:          the step's sum
     count_skipped: the step's sum over j >= skip divided by every position's number."""
     kept = [v[skip:] for v in values]
@@ -181,8 +215,9 @@ def normalised(values, how, micro_batch_size, skip=0, count_skipped=False):
 
 
 def pads_after(prompt_lengths, micro_batch_size):
-    """Per row, how much shorter its prompt is than the longest of its micro-batch (consecutive rows): the
-    pads a batch that pads prompts on the right puts between its prompt and its answer."""
+    """Per row, how much shorter its prompt is than the longest of its micro-batch (consecutive
+    rows): the pads a batch that pads prompts on the right puts between its prompt and its
+    answer."""
     gaps = []
     for first in range(0, len(prompt_lengths), micro_batch_size):
         group = prompt_lengths[first:first + micro_batch_size]
@@ -191,28 +226,32 @@ def pads_after(prompt_lengths, micro_batch_size):
 
 
 class Reference:
-    """Rows (dicts with student_prompt_ids, teacher_prompt_ids, completion_ids) and, from the model in
-    float64, each row's raw logits on both sides (row_logits)."""
+    """Rows (dicts with student_prompt_ids, teacher_prompt_ids, completion_ids) and, from the model
+    in float64, each row's raw logits on both sides (row_logits)."""
 
     def __init__(self, rows, model_dir, micro_batch_size, fixture=None):
         self.model = load_model(model_dir)
         self.rows, self.fixture, self.micro_batch_size = rows, fixture, micro_batch_size
         self.lengths = [len(r["completion_ids"]) for r in rows]
         self.prompt_lengths = {side: [len(r[f"{side}_prompt_ids"]) for r in rows] for side in SIDES}
-        self.logits = {side: [row_logits(self.model, r[f"{side}_prompt_ids"], r["completion_ids"]) for r in rows]
+        self.logits = {side: [row_logits(self.model, r[f"{side}_prompt_ids"], r["completion_ids"])
+                              for r in rows]
                        for side in SIDES}
-        self.padded = {}  # {(side, micro-batch size): the logits with each answer's positions after the pads}
+        # {(side, micro-batch size): the logits with each answer's positions after the pads}
+        self.padded = {}
 
     @classmethod
     def from_fixture(cls, path=FIXTURE):
         fixture = json.loads(Path(path).read_text())
         model_dir = ROOT / fixture["model"]
         if sha16(model_dir / "model.safetensors") != fixture["model_sha256_16"]:
-            raise SystemExit(f"verify.py: {fixture['model']} is not the model fixture.json was made from.")
+            raise SystemExit(f"verify.py: {fixture['model']} is not the model fixture.json was "
+                             "made from.")
         return cls(fixture["rows"], model_dir, fixture["micro_batch_size"], fixture)
 
     def with_prompts(self, prompts):
-        """This reference with some rows' prompts replaced (prompts: {side: {row: ids}}), their logits recomputed:
+        """This reference with some rows' prompts replaced (prompts: {side: {row: ids}}), their
+        logits recomputed:
         the peer's own prompts, so that what else differs can be told."""
         if not any(prompts.values()):
             return self
@@ -223,8 +262,10 @@ class Reference:
         for side, changed in prompts.items():
             for row, ids in changed.items():
                 other.rows[row][f"{side}_prompt_ids"] = ids
-                other.logits[side][row] = row_logits(self.model, ids, self.rows[row]["completion_ids"])
-        other.prompt_lengths = {side: [len(r[f"{side}_prompt_ids"]) for r in other.rows] for side in SIDES}
+                other.logits[side][row] = row_logits(self.model, ids,
+                                                     self.rows[row]["completion_ids"])
+        other.prompt_lengths = {side: [len(r[f"{side}_prompt_ids"]) for r in other.rows]
+                                for side in SIDES}
         return other
 
     def shorter(self, side, size):
@@ -232,27 +273,31 @@ class Reference:
         return {r for r, gap in enumerate(pads_after(self.prompt_lengths[side], size)) if gap}
 
     def padded_logits(self, side, size):
-        """Each row's logits with its answer at position ids counted over the pads that padding its prompt
-        to the micro-batch's longest puts before it (the rows with the longest prompt unchanged)."""
+        """Each row's logits with its answer at position ids counted over the pads that padding its
+        prompt to the micro-batch's longest puts before it (the rows with the longest prompt
+        unchanged)."""
         if (side, size) not in self.padded:
             gaps = pads_after(self.prompt_lengths[side], size)
             self.padded[(side, size)] = [
-                row_logits(self.model, r[f"{side}_prompt_ids"], r["completion_ids"], gap) if gap else x
+                row_logits(self.model, r[f"{side}_prompt_ids"], r["completion_ids"], gap) if gap
+                                         else x
                 for r, x, gap in zip(self.rows, self.logits[side], gaps)]
         return self.padded[(side, size)]
 
     def log_probs(self, side, row, temperature, offset=0, padded=None):
-        """(L, V) the side's log-probs at `temperature`, at the positions shifted by `offset`; padded: a
-        micro-batch size, for the logits with the answer's position ids counted over the pads."""
+        """(L, V) the side's log-probs at `temperature`, at the positions shifted by `offset`;
+        padded: a micro-batch size, for the logits with the answer's position ids counted over the
+        pads."""
         x = self.logits[side][row] if padded is None else self.padded_logits(side, padded)[row]
         L = self.lengths[row]
         return torch.log_softmax(x[1 + offset:1 + offset + L] / temperature, -1)
 
     def divergences(self, *, beta, temperature, clip, tau, student_t=None, teacher_t=None, offset=0,
                     swapped=False, padded=(), size=None):
-        """[(L,)] per row: the divergence at `temperature` (or student_t / teacher_t on one side), both
-        sides at positions shifted by `offset`; swapped: the student's and teacher's roles exchanged;
-        padded: the sides whose answers sit at position ids counted over pads (micro-batches of `size`)."""
+        """[(L,)] per row: the divergence at `temperature` (or student_t / teacher_t on one side),
+        both sides at positions shifted by `offset`; swapped: the student's and teacher's roles
+        exchanged; padded: the sides whose answers sit at position ids counted over pads
+        (micro-batches of `size`)."""
         out = []
         for row in range(len(self.rows)):
             log_s, log_t = (self.log_probs(side, row, t or temperature, offset,
@@ -268,11 +313,14 @@ class Reference:
 # Identification: the configuration whose values explain a peer's numbers
 
 class Config(NamedTuple):
-    """What a peer computes at each answer position: each side's temperature, the divergence (beta: 0 the
-    forward KL, 1 the reverse, between the generalized JSD), the clip ("none", "entry", "token") at tau, and the
-    support the value is taken over: "full" (the whole vocabulary), "top-k" (the top k entries of side `by`,
-    renormalised over them or with a tail entry for the rest) or "sampled-token" (the answer token alone, a form
-    of SAMPLED_FORMS, its halves clamped at >= 0 or not)."""
+    """What a peer computes at each answer position: each side's temperature, the value's form, the
+    clip ("none", "entry", "token") at tau, and the support the value is taken over. The support:
+    "full" (the whole vocabulary), "top-k" (the top k entries of side `by`, renormalised over them,
+    with a tail entry for the rest, or with the side named by `raw` kept as it is) or
+    "sampled-token" (the answer token alone). The form, over the whole vocabulary or a top k: "term"
+    (the divergence of beta: 0 the forward KL, 1 the reverse, between the generalized JSD), "mixed"
+    (w KL(T || S) + (1 - w) KL(S || T)) or "cross-entropy" (divergence_terms); at the sampled token,
+    one of SAMPLED_FORMS, the halves of "term" and "estimate" clamped at >= 0 or not."""
     student_t: float
     teacher_t: float
     beta: float
@@ -284,48 +332,102 @@ class Config(NamedTuple):
     tail: bool = False
     form: str = "term"
     clamp: bool = False
+    raw: str = ""
+    w: float = 0.5
 
 
 def parse_support(text):
-    """Config fields of a declared support: "full", "top-k:SIDE:K" (":tail" after it: a tail entry), or
-    "sampled-token:FORM" (":clamped" after it: each half clamped at >= 0); None if it is none of these."""
+    """Config fields of a declared support: "full", "top-k:SIDE:K" (":tail" after it: a tail entry;
+    ":raw-SIDE": that side's log-probs as they are, the other's renormalised), or
+    "sampled-token:FORM" (":clamped" after it: each half clamped at >= 0); None if it is none of
+    these."""
     parts = text.split(":")
     if parts == ["full"]:
         return {"support": "full"}
+    raw_sides = [[f"raw-{side}"] for side in SIDES]
     if parts[0] == "top-k" and len(parts) in (3, 4) and parts[1] in SIDES and parts[2].isdigit() \
-            and int(parts[2]) > 0 and parts[3:] in ([], ["tail"]):
-        return {"support": "top-k", "by": parts[1], "k": int(parts[2]), "tail": parts[3:] == ["tail"]}
+            and int(parts[2]) > 0 and parts[3:] in ([], ["tail"], *raw_sides):
+        raw = ""
+        if parts[3:] in raw_sides:
+            raw = parts[3][len("raw-"):]
+        return {"support": "top-k", "by": parts[1], "k": int(parts[2]),
+                "tail": parts[3:] == ["tail"], "raw": raw}
     if parts[0] == "sampled-token" and len(parts) in (2, 3) and parts[1] in SAMPLED_FORMS \
             and parts[2:] in ([], ["clamped"]):
         return {"support": "sampled-token", "form": parts[1], "clamp": parts[2:] == ["clamped"]}
     return None
 
 
+def parse_form(text):
+    """Config fields of a declared form: "term", "cross-entropy" or "mixed:W" (W from 0 to 1); None
+    if it is none of these."""
+    parts = text.split(":")
+    if parts in (["term"], ["cross-entropy"]):
+        return {"form": parts[0]}
+    if parts[0] == "mixed" and len(parts) == 2:
+        try:
+            w = float(parts[1])
+        except ValueError:
+            return None
+        if 0.0 <= w <= 1.0:
+            return {"form": "mixed", "w": w}
+    return None
+
+
 def uses_beta(c):
-    return c.support != "sampled-token" or c.form in ("term", "estimate")
+    return c.form in ("term", "estimate")
+
+
+def other_side(side):
+    return SIDES[1 - SIDES.index(side)]
+
+
+def top_k_kind(c):
+    """The top k's kind, as its cause names it: "renormalised", "tail" or "SIDE-raw"."""
+    if c.tail:
+        return "tail"
+    if c.raw:
+        return f"{c.raw}-raw"
+    return "renormalised"
 
 
 def kind_of(c):
-    if c.support == "sampled-token":
-        return SAMPLED_FORMS[c.form][0]
-    return "a divergence"
+    if c.support != "sampled-token":
+        if c.form == "cross-entropy":
+            return "a cross-entropy"
+        return "a divergence"
+    kind = SAMPLED_FORMS[c.form][0]
+    if c.form == "estimate" and c.beta == 1.0 and not c.clamp:
+        kind += " (log p_S(y) - log p_T(y): an importance-sampling surrogate at ratio 1 has the " \
+                "same values, and the reverse KL's policy gradient for its gradient; these " \
+                "values cannot tell them apart)"
+    return kind
 
 
 def describe(c, temperatures=True):
-    """The configuration in words (without its temperatures: those of fixed log-probs mean nothing)."""
+    """The configuration in words (without its temperatures: those of fixed log-probs mean
+    nothing)."""
+    what = {0.0: "forward KL (beta 0)", 1.0: "reverse KL (beta 1)"}.get(
+        c.beta, f"generalized JSD (beta {c.beta:.4g})")
+    if c.form == "mixed":
+        what = f"w KL(T || S) + (1 - w) KL(S || T) with w {c.w:.4g}"
+    elif c.form == "cross-entropy":
+        what = "the cross-entropy -sum p_T log p_S (the forward KL plus the teacher's entropy)"
     if c.support == "sampled-token" and not uses_beta(c):
         what = SAMPLED_FORMS[c.form][1]
+    elif c.support == "full":
+        what += " over the whole vocabulary"
+    elif c.support == "top-k":
+        how = "renormalised over them"
+        if c.tail:
+            how = "with a tail entry for the rest"
+        elif c.raw:
+            how = f"the {other_side(c.raw)}'s renormalised over them, the {c.raw}'s as they are"
+        what += f" over the {c.by}'s top {c.k} entries, {how}"
     else:
-        what = {0.0: "forward KL (beta 0)", 1.0: "reverse KL (beta 1)"}.get(c.beta, f"generalized JSD (beta "
-                                                                                     f"{c.beta:.4g})")
-        if c.support == "full":
-            what += " over the whole vocabulary"
-        elif c.support == "top-k":
-            what += f" over the {c.by}'s top {c.k} entries, " + (
-                "with a tail entry for the rest" if c.tail else "renormalised over them")
-        else:
-            short = {"term": "its term there", "estimate": "its one-sample estimate d_y / p_S(y)"}[c.form]
-            what += f" at the sampled token y alone, {short}"
+        short = {"term": "its term there",
+                 "estimate": "its one-sample estimate d_y / p_S(y)"}[c.form]
+        what += f" at the sampled token y alone, {short}"
     if c.support == "sampled-token" and c.clamp:
         what += ", each half clamped at >= 0"
     clip = {"none": "no clip", "entry": f"each entry clipped at tau {c.tau:.4g}",
@@ -347,22 +449,40 @@ def same(a, b, rel=1e-3):
 def differences(found, declared, k_note=None):
     """[(cause, note)]: how `found` departs from the declared configuration."""
     out = []
-    moved = [side for side in SIDES if not same(getattr(found, f"{side}_t"), getattr(declared, f"{side}_t"))]
+    moved = [side for side in SIDES if not same(getattr(found, f"{side}_t"), getattr(declared,
+                                                                                     f"{side}_t"))]
     if len(moved) == 2 and same(found.student_t, found.teacher_t):
-        out.append(("temperature:both", f"T {found.student_t:.4g} on both sides, {declared.student_t:g} declared"))
+        out.append(("temperature:both",
+                    f"T {found.student_t:.4g} on both sides, {declared.student_t:g} declared"))
     else:
-        out += [(f"temperature:{side}", f"T {getattr(found, f'{side}_t'):.4g}, {getattr(declared, f'{side}_t'):g} "
-                 "declared") for side in moved]
-    structure = ("support", "by", "k", "tail", "form")
-    if found.support == "top-k" and any(getattr(found, f) != getattr(declared, f) for f in structure):
-        out.append((f"top-k:{found.by}:{'tail' if found.tail else 'renormalised'}", k_note or f"k = {found.k}"))
-    elif found.support == "sampled-token" and any(getattr(found, f) != getattr(declared, f) for f in structure):
+        for side in moved:
+            fitted, asked = getattr(found, f"{side}_t"), getattr(declared, f"{side}_t")
+            out.append((f"temperature:{side}", f"T {fitted:.4g}, {asked:g} declared"))
+    structure = ("support", "by", "k", "tail", "raw")
+    if found.support == "top-k" and any(getattr(found, f) != getattr(declared, f)
+                                        for f in structure):
+        out.append((f"top-k:{found.by}:{top_k_kind(found)}", k_note or f"k = {found.k}"))
+    elif found.support == "sampled-token" and (found.support, found.form) != (declared.support,
+                                                                               declared.form):
         out.append((f"sampled-token:{found.form}", kind_of(found)))
     elif found.support == "full" and declared.support != "full":
         out.append(("support:full", None))
+    if found.support != "sampled-token":
+        asked = declared.form
+        if declared.support == "sampled-token":
+            asked = "term"
+        if found.form != asked:
+            note = None
+            if found.form == "mixed":
+                note = f"w {found.w:.4g}"
+            out.append((f"form:{found.form}", note))
+        elif found.form == "mixed" and abs(found.w - declared.w) > 1e-3:
+            out.append(("form:mixed", f"w {found.w:.4g}, {declared.w:g} declared"))
     if found.support == "sampled-token" and found.clamp != declared.clamp:
         out.append(("clamp:halves" if found.clamp else "clamp:none", None))
-    if uses_beta(found) and not same(found.beta, declared.beta, 1e-6) and abs(found.beta - declared.beta) > 1e-3:
+    beta_moved = abs(found.beta - declared.beta) > 1e-3
+    if uses_beta(found) and declared.form not in ("mixed", "cross-entropy") and beta_moved \
+            and not same(found.beta, declared.beta, 1e-6):
         note = f"beta {found.beta:.4g}, {declared.beta:g} declared"
         if declared.beta in (0.0, 1.0) and found.beta == 1.0 - declared.beta:
             note += ": the student and the teacher exchanged"
@@ -375,11 +495,14 @@ def differences(found, declared, k_note=None):
 
 
 class Numbers:
-    """One side's numbers at the step's positions, rows concatenated: raw logits (N, V) whose temperature is a
-    parameter, log-probs (N, V) as they are, or the sampled token's log-prob alone (N,)."""
+    """One side's numbers at the step's positions, rows concatenated: raw logits (N, V) whose
+    temperature is a parameter, log-probs (N, V) as they are, log-probs (N, K) at the ids (N, K) of
+    the teacher's top K alone, or the sampled token's log-prob alone (N,); sampler: the sampler's
+    log-prob of the sampled token (N,), for an importance-sampling ratio."""
 
-    def __init__(self, logits=None, logprobs=None, token=None):
+    def __init__(self, logits=None, logprobs=None, token=None, ids=None, sampler=None):
         self.logits, self.logprobs, self.token = logits, logprobs, token
+        self.ids, self.sampler = ids, sampler
         self.cache = {}  # {temperature: log-probs}
         self.ranks = None
 
@@ -389,12 +512,16 @@ class Numbers:
 
     @property
     def full(self):
-        return self.logits is not None or self.logprobs is not None
+        return self.ids is None and (self.logits is not None or self.logprobs is not None)
+
+    @property
+    def sparse(self):  # log-probs at the teacher's top K ids alone
+        return self.ids is not None
 
     def at(self, index):
         """These numbers at some positions only."""
-        pick = [None if x is None else x[index] for x in (self.logits, self.logprobs, self.token)]
-        return Numbers(*pick)
+        fields = (self.logits, self.logprobs, self.token, self.ids, self.sampler)
+        return Numbers(*[None if x is None else x[index] for x in fields])
 
     def log_probs(self, temperature):
         if self.logprobs is not None:
@@ -406,49 +533,65 @@ class Numbers:
         return self.cache[temperature]
 
     def of_token(self, temperature, y):
+        """(N,) the log-prob of each sampled token: NaN where only the top K ids are known and y
+        is not among them."""
         if self.token is not None:
             return self.token
+        if self.sparse:
+            hit = self.ids == y[:, None]
+            value = torch.where(hit, self.logprobs, torch.zeros_like(self.logprobs)).sum(-1)
+            return torch.where(hit.any(-1), value, torch.full_like(value, math.nan))
         return self.log_probs(temperature).gather(-1, y[:, None])[:, 0]
 
     def order(self):
-        """(N, V) the entries by rank, largest first (whatever the temperature)."""
+        """(N, V) the entries by rank, largest first (whatever the temperature); of the top K ids,
+        their columns by rank."""
         if self.ranks is None:
-            x = self.logprobs if self.logprobs is not None else self.logits
+            x = self.logprobs
+            if x is None:
+                x = self.logits
             self.ranks = x.sort(dim=-1, descending=True, stable=True).indices
         return self.ranks
 
 
 def config_values(c, student, teacher, y, peer=None, tie=0.0):
-    """(N,) each position's value under configuration c, from both sides' Numbers and the sampled tokens y.
-    A top k whose k-th and (k + 1)-th log-probs lie within `tie`: the peer's choice, the nearer to `peer`."""
+    """(N,) each position's value under configuration c, from both sides' Numbers and the sampled
+    tokens y. A top k whose k-th and (k + 1)-th log-probs lie within `tie`: the peer's choice, the
+    nearer to `peer`. From the teacher's top K ids alone, the student's numbers are at those ids."""
     if c.support == "sampled-token":
-        value = sampled_value(student.of_token(c.student_t, y), teacher.of_token(c.teacher_t, y), c.form, c.beta,
-                              c.clamp)
+        a, b = student.of_token(c.student_t, y), teacher.of_token(c.teacher_t, y)
+        value = sampled_value(a, b, c.form, c.beta, c.clamp, student.sampler)
         if c.clip != "none":
             value = value.clamp(max=c.tau)
         return value
     log_s, log_t = student.log_probs(c.student_t), teacher.log_probs(c.teacher_t)
+    terms = {"beta": c.beta, "clip": c.clip, "tau": c.tau, "form": c.form, "w": c.w}
     if c.support == "full":
-        return divergence(log_s, log_t, beta=c.beta, clip=c.clip, tau=c.tau)
-    side = student if c.by == "student" else teacher
+        return divergence(log_s, log_t, **terms)
+    side = student
+    if c.by == "teacher":
+        side = teacher
     order = side.order()
-    d = divergence(*top_k_log_probs(log_s, log_t, c.k, c.tail, order), beta=c.beta, clip=c.clip, tau=c.tau)
+    d = divergence(*top_k_log_probs(log_s, log_t, c.k, c.tail, order, c.raw), **terms)
     if tie and peer is not None and c.k < order.shape[-1]:
-        by = log_s if c.by == "student" else log_t
+        by = log_s
+        if c.by == "teacher":
+            by = log_t
         ranked = by.gather(-1, order[:, c.k - 1:c.k + 1])
         tied = (ranked[:, 0] - ranked[:, 1]).abs() <= tie
         if tied.any():  # the k-th and (k + 1)-th exchanged: the peer's top k may hold either
             swapped = order[tied].clone()
             swapped[:, [c.k - 1, c.k]] = swapped[:, [c.k, c.k - 1]]
-            other = divergence(*top_k_log_probs(log_s[tied], log_t[tied], c.k, c.tail, swapped), beta=c.beta,
-                               clip=c.clip, tau=c.tau)
-            d[tied] = torch.where((peer[tied] - other).abs() < (peer[tied] - d[tied]).abs(), other, d[tied])
+            top = top_k_log_probs(log_s[tied], log_t[tied], c.k, c.tail, swapped, c.raw)
+            other = divergence(*top, **terms)
+            nearer = (peer[tied] - other).abs() < (peer[tied] - d[tied]).abs()
+            d[tied] = torch.where(nearer, other, d[tied])
     return d
 
 
 def minimise(f, low, high, log=False, points=10, steps=22):
-    """The x in [low, high] where f(x) is least: the best of a grid of `points`, then a golden-section search
-    between its neighbours (in log x when `log`)."""
+    """The x in [low, high] where f(x) is least: the best of a grid of `points`, then a
+    golden-section search between its neighbours (in log x when `log`)."""
     to, back = (math.log, math.exp) if log else (float, float)
     grid = [to(low) + (to(high) - to(low)) * i / (points - 1) for i in range(points)]
     scores = [f(back(x)) for x in grid]
@@ -473,8 +616,10 @@ def minimise(f, low, high, log=False, points=10, steps=22):
 TEMPERATURES = (0.2, 5.0)  # the range a temperature is fitted in
 TAUS = (1e-4, 20.0)  # and a clip's tau
 TOP_K_GRID = (1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 20, 25, 32, 50, 64, 100, 128, 200, 256, 400)
-FIT_POSITIONS = 160  # the continuous parameters are searched on this many positions, then checked on all
-PHASE_TWO = 3  # the structures whose temperatures are fitted when none fits without: the declared, the nearest
+# the continuous parameters are searched on this many positions, then checked on all
+FIT_POSITIONS = 160
+# the structures whose temperatures are fitted when none fits without: the declared, the nearest
+PHASE_TWO = 3
 
 
 def close(a, b):
@@ -482,46 +627,55 @@ def close(a, b):
 
 
 class Fit:
-    """Fitting configurations to a peer's per-position values `peer` (N,), at the positions `kept` (N,) bool,
-    from both sides' Numbers and the sampled tokens y: the declared configuration first, then every support,
-    clip and sampled-token form, each with its free parameters (the temperatures where the numbers are logits,
-    beta, tau, k) searched."""
+    """Fitting configurations to a peer's per-position values `peer` (N,), at the positions `kept`
+    (N,) bool, from both sides' Numbers and the sampled tokens y: the declared configuration first,
+    then every support, clip and sampled-token form, each with its free parameters (the temperatures
+    where the numbers are logits, beta, tau, k) searched."""
 
     def __init__(self, student, teacher, y, peer, kept, declared, tie=0.0):
         self.student, self.teacher, self.y, self.peer, self.kept = student, teacher, y, peer, kept
         self.declared, self.tie = declared, tie
         self.total = int(kept.sum())
         index = kept.nonzero()[:, 0]
-        index = index[torch.linspace(0, len(index) - 1, min(FIT_POSITIONS, len(index))).round().long()]
+        spread = torch.linspace(0, len(index) - 1, min(FIT_POSITIONS, len(index)))
+        index = index[spread.round().long()]
         self.search = (student.at(index), teacher.at(index), y[index], peer[index])
 
     def values(self, c, on_search=False):
-        student, teacher, y, peer = self.search if on_search else (self.student, self.teacher, self.y, self.peer)
+        student, teacher, y, peer = self.student, self.teacher, self.y, self.peer
+        if on_search:
+            student, teacher, y, peer = self.search
         return config_values(c, student, teacher, y, peer, self.tie)
 
     def count(self, c):
         return int((close(self.peer, self.values(c)) & self.kept).sum())
 
     def score(self, c):
-        """The distance searched on: the sum of the absolute differences at the search positions (its basin is
-        wide, so a grid finds it; its least is where every position matches)."""
-        return float((self.search[3] - self.values(c, on_search=True)).abs().sum())
+        """The distance searched on: the sum of the absolute differences at the search positions
+        (its basin is wide, so a grid finds it; its least is where every position matches)."""
+        gap = (self.search[3] - self.values(c, on_search=True)).abs()
+        return float(torch.nan_to_num(gap, nan=1e3).sum())  # NaN: a value these numbers lack
 
     def free(self, c):
         names = [f"{side}_t" for side, x in zip(SIDES, (self.student, self.teacher)) if x.free]
         if uses_beta(c):
             names.append("beta")
+        if c.form == "mixed":
+            names.append("w")
         if c.clip != "none":
             names.append("tau")
         return names
 
     def move(self, c, name):
-        """c with the parameter `name` where the score is least (c itself if nothing found is better)."""
+        """c with the parameter `name` where the score is least (c itself if nothing found is
+        better)."""
         def at(x):
             return self.score(c._replace(**{name: x}))
         if name == "beta":  # the ends are the KLs, not the JSD's limits: tried apart
             inside = minimise(at, 1e-3, 1.0 - 1e-3)
             moved = c._replace(beta=min((0.0, 1.0, inside), key=at))
+        elif name == "w":  # its ends are the KLs, which beta's ends give
+            moved = c._replace(w=minimise(at, 1e-3, 1.0 - 1e-3))
         elif name == "tau":
             moved = c._replace(tau=minimise(at, *TAUS, log=True))
         elif name == "temperature":  # one loss temperature on both sides
@@ -538,20 +692,32 @@ class Fit:
     def count_on_search(self, c):
         return int(close(self.search[3], self.values(c, on_search=True)).sum())
 
+    def k_bound(self):
+        """The least k that is no top k: the vocabulary's size (a top k of it is the whole), or one
+        more than K where the numbers are the teacher's top K ids alone (all K of them is a top
+        k)."""
+        if self.teacher.sparse:
+            return self.teacher.ids.shape[-1] + 1
+        return self.student.order().shape[-1]
+
     def top_k(self, c):
         """c with the k that matches the most search positions (the smallest of those)."""
-        V = self.student.order().shape[-1] if self.student.full else 0
+        V = self.k_bound()
         grid = [k for k in TOP_K_GRID if k < V]
+        if self.teacher.sparse:
+            grid.append(V - 1)
         return c._replace(k=max(grid, key=lambda k: (self.count_on_search(c._replace(k=k)), -k)))
 
     def k_note(self, c):
         """The range of k that match as many positions as c's k, in words."""
-        V = self.student.order().shape[-1]
+        V = self.k_bound()
         top = self.count(c)
 
-        def edge(direction):  # the last k from c's towards `direction` (+1 or -1) that matches `top` positions
+        # the last k from c's towards `direction` (+1 or -1) that matches `top` positions
+        def edge(direction):
             inside, step = c.k, 1
-            while 1 <= inside + step * direction < V and self.count(c._replace(k=inside + step * direction)) == top:
+            while 1 <= inside + step * direction < V \
+                    and self.count(c._replace(k=inside + step * direction)) == top:
                 inside += step * direction
                 step *= 2
             outside = min(max(inside + step * direction, 0), V)
@@ -569,10 +735,11 @@ class Fit:
         return f"k from {low} to {high}: these rows tell them apart no further"
 
     def fitted(self, c, free):
-        """c with the parameters `free` fitted (and a top k's k), then put back to the declared values wherever
-        those match as many positions. Temperatures are tried in turn, the first plan that matches every position
-        ending it: one side's alone, one for both sides, each side in turn (their valley can run across both), each
-        after one for both; beta and tau after each, in rounds while they gain."""
+        """c with the parameters `free` fitted (and a top k's k), then put back to the declared
+        values wherever those match as many positions. Temperatures are tried in turn, the first
+        plan that matches every position ending it: one side's alone, one for both sides, each side
+        in turn (their valley can run across both), each after one for both; beta and tau after
+        each, in rounds while they gain."""
         if c.support == "top-k":
             c = self.top_k(c)
         rest = [name for name in free if not name.endswith("_t")]
@@ -607,29 +774,56 @@ class Fit:
         return best
 
     def structures(self):
-        """Config fields of every structure tried, the declared one first."""
+        """Config fields of every structure tried, the declared one first, then the fixture's
+        supports and the sampled token's forms, then the other forms over the whole vocabulary and
+        over a top k. From the teacher's top K ids and the student's log-probs there, only a top k
+        of the teacher (k up to K) and the sampled token where it is among them."""
         d = self.declared
         full = self.student.full and self.teacher.full
+        sparse = self.student.sparse and self.teacher.sparse
         out = []
-        if full or d.support == "sampled-token":  # the sampled token's log-probs alone give no other support
-            out.append({"support": d.support, "by": d.by, "k": d.k, "tail": d.tail, "form": d.form,
-                        "clamp": d.clamp, "clip": d.clip})
+        # the sampled token's log-probs alone give no other support
+        if full or d.support == "sampled-token" or (sparse and d.support == "top-k"
+                                                    and d.by == "teacher"):
+            out.append({"support": d.support, "by": d.by, "k": d.k, "tail": d.tail, "raw": d.raw,
+                        "form": d.form, "clamp": d.clamp, "clip": d.clip})
+        plain = {"form": "term", "raw": "", "tail": False}
         if full:
-            out += [{"support": "full", "clip": clip} for clip in CLIPS]
-            out += [{"support": "top-k", "by": by, "tail": tail, "clip": d.clip} for by in SIDES
-                    for tail in (False, True)]
+            out += [{**plain, "support": "full", "clip": clip} for clip in CLIPS]
+        top_k_sides = []
+        if full:
+            top_k_sides = list(SIDES)
+        elif sparse:
+            top_k_sides = ["teacher"]
+        out += [{**plain, "support": "top-k", "by": by, "tail": tail, "clip": d.clip}
+                for by in top_k_sides for tail in (False, True)]
         for form in SAMPLED_FORMS:
             for clamp in ((False, True) if form in ("term", "estimate") else (False,)):
                 for clip in dict.fromkeys((d.clip, "none")):
-                    out.append({"support": "sampled-token", "form": form, "clamp": clamp, "clip": clip})
+                    out.append({"support": "sampled-token", "form": form, "clamp": clamp,
+                                "clip": clip})
+        clips = dict.fromkeys((d.clip, "none"))
+        if full:
+            out += [{**plain, "support": "full", "form": form, "clip": clip}
+                    for form in ("mixed", "cross-entropy") for clip in clips]
+        if full or sparse:
+            for form in ("term", "cross-entropy"):
+                out.append({**plain, "support": "top-k", "by": "teacher", "raw": "student",
+                            "form": form, "clip": d.clip})
+            out.append({**plain, "support": "top-k", "by": "teacher", "form": "cross-entropy",
+                        "clip": d.clip})
+        if full:
+            out.append({**plain, "support": "top-k", "by": "student", "raw": "teacher",
+                        "clip": d.clip})
         return out
 
     def identify(self):
-        """[(positions matched, configuration, the top k's note)], the best first: the most positions matched,
-        then the fewest differences from the declared configuration. The declared structure first, then every
-        other, each with beta and tau fitted; then, if none matched every position and the numbers are logits,
-        the declared structure and the nearest others (PHASE_TWO in all) with the temperatures fitted too. The
-        first that matches every position ends the search."""
+        """[(positions matched, configuration, the top k's note)], the best first: the most
+        positions matched, then the fewest differences from the declared configuration. The declared
+        structure first, then every other, each with beta and tau fitted; then, if none matched
+        every position and the numbers are logits, the declared structure and the nearest others
+        (PHASE_TWO in all) with the temperatures fitted too. The first that matches every position
+        ends the search."""
         found = []
         temperatures = ("student_t", "teacher_t")
         structures = self.structures()
@@ -644,7 +838,8 @@ class Fit:
                 c = self.declared._replace(**fields)
                 if c.support == "top-k" and c.k == 0:
                     c = c._replace(k=1)
-                c = self.fitted(c, [n for n in self.free(c) if fit_temperatures or n not in temperatures])
+                c = self.fitted(c, [n for n in self.free(c) if fit_temperatures
+                                    or n not in temperatures])
                 found.append((self.count(c), c))
                 if found[-1][0] == self.total:
                     break
@@ -655,33 +850,35 @@ class Fit:
             [(n, c, None) for n, c in found[1:]]
 
     def degenerate(self, c):
-        """Whether c's values are all within the tolerance of zero while the peer's are not: a form that matches
-        whatever lies near zero, never offered as a hint."""
+        """Whether c's values are all within the tolerance of zero while the peer's are not: a form
+        that matches whatever lies near zero, never offered as a hint."""
         value = self.values(c)[self.kept]
         peer = self.peer[self.kept]
-        return bool(close(value, torch.zeros_like(value)).all()) and not bool(close(peer, torch.zeros_like(peer)).all())
+        value_zero = bool(close(value, torch.zeros_like(value)).all())
+        return value_zero and not bool(close(peer, torch.zeros_like(peer)).all())
 
 
-HINT_SHARE = 0.9  # a configuration that matches less than this share of positions is not offered as a hint
+# a configuration that matches less than this share of positions is not offered as a hint
+HINT_SHARE = 0.9
 
 
 # -----------------------------------------------------------------------------
 # Check 2: the batch's invariants
 
 def check_batch(input_ids, attention_mask, position_ids, answer_mask, scored_mask=None):
-    """[one sentence per broken invariant] of a peer's micro-batch, (B, T) each: answer_mask marks the
-    answer tokens; scored_mask (optional) the positions whose outputs the peer scores them with. Whatever
-    the padding, each row's real tokens (attention mask 1) must have contiguous position ids, its answer
-    tokens must be real and adjacent, answer token 0 must come right after a real prompt token (it is
-    predicted from the prompt's last token), and the scored positions must be those just before the
-    answer tokens. An empty list: the batch keeps every row's order."""
-    return [sentence for _, sentence in batch_problems(input_ids, attention_mask, position_ids, answer_mask,
-                                                       scored_mask)]
+    """[one sentence per broken invariant] of a peer's micro-batch, (B, T) each: answer_mask marks
+    the answer tokens; scored_mask (optional) the positions whose outputs the peer scores them with.
+    Whatever the padding, each row's real tokens (attention mask 1) must have contiguous position
+    ids, its answer tokens must be real and adjacent, answer token 0 must come right after a real
+    prompt token (it is predicted from the prompt's last token), and the scored positions must be
+    those just before the answer tokens. An empty list: the batch keeps every row's order."""
+    problems = batch_problems(input_ids, attention_mask, position_ids, answer_mask, scored_mask)
+    return [sentence for _, sentence in problems]
 
 
 def batch_problems(input_ids, attention_mask, position_ids, answer_mask, scored_mask=None):
-    """check_batch's sentences, each with the cause it points to ("position-ids", "pad-first", "shift:+1",
-    "shift:-1" or None)."""
+    """check_batch's sentences, each with the cause it points to ("position-ids", "pad-first",
+    "shift:+1", "shift:-1" or None)."""
     problems = []
     for row in range(input_ids.shape[0]):
         real = attention_mask[row].bool()
@@ -690,14 +887,16 @@ def batch_problems(input_ids, attention_mask, position_ids, answer_mask, scored_
         gaps = (positions.diff() != 1).nonzero()[:, 0]
         if len(gaps):
             i = int(gaps[0])
-            problems.append(("position-ids", f"row {row}: its real tokens' position ids jump from "
-                             f"{int(positions[i])} to {int(positions[i + 1])}: they must count the real tokens "
-                             "without a gap."))
+            problems.append(("position-ids",
+                             f"row {row}: its real tokens' position ids jump from "
+                             f"{int(positions[i])} to {int(positions[i + 1])}: they must count the "
+                             "real tokens without a gap."))
         if not len(answer):
             problems.append((None, f"row {row}: no answer token is marked."))
             continue
         if not real[answer].all() or (answer.diff() != 1).any():
-            problems.append((None, f"row {row}: its answer tokens are not one unmasked run of tokens."))
+            problems.append((None,
+                             f"row {row}: its answer tokens are not one unmasked run of tokens."))
         first = int(answer[0])
         before = first - 1  # the real token before answer token 0
         while before >= 0 and not real[before]:
@@ -705,17 +904,20 @@ def batch_problems(input_ids, attention_mask, position_ids, answer_mask, scored_
         if before < 0:
             problems.append((None, f"row {row}: no real prompt token comes before answer token 0."))
         elif before != first - 1:
-            problems.append(("pad-first", f"row {row}: {first - 1 - before} pad(s) lie between the prompt and "
-                             "answer token 0, so the output at the position before it (a pad's) predicts it, "
-                             "not the prompt's last token's."))
+            problems.append(("pad-first",
+                             f"row {row}: {first - 1 - before} pad(s) lie between the prompt and "
+                             "answer token 0, so the output at the position before it (a pad's) "
+                             "predicts it, not the prompt's last token's."))
         if scored_mask is not None:
             scored = scored_mask[row].bool().nonzero()[:, 0]
             if scored.tolist() != (answer - 1).tolist():
-                offset = next((k for k in (1, -1) if scored.tolist() == (answer - 1 + k).tolist()), None)
+                offset = next((k for k in (1, -1) if scored.tolist() == (answer - 1 + k).tolist()),
+                              None)
                 at = scored.tolist()[:1]
                 problems.append((offset and f"shift:{offset:+d}",
-                                 f"row {row}: answer token 0 (index {first}) is scored with the output at index "
-                                 f"{at[0] if at else None}, not at index {first - 1} (the token before it)."))
+                                 f"row {row}: answer token 0 (index {first}) is scored with the "
+                                 f"output at index {at[0] if at else None}, not at index "
+                                 f"{first - 1} (the token before it)."))
     return problems
 
 
@@ -730,24 +932,32 @@ class Dump(NamedTuple):
     micro_batch_size: int | None
     rows: dict  # {row: {name: tensor}}
     batches: dict  # {(micro-batch, side): {name: tensor}}
-    logits: str | None = None  # "raw" (before the temperature) or "divided" (already divided by it); None: unsaid
-    declared: dict = {}  # what the metadata declares besides: temperature, beta, tau, skip_first_tokens, support
+    # "raw" (before the temperature) or "divided" (already divided by it); None: unsaid
+    logits: str | None = None
+    # what the metadata declares besides: temperature, beta, tau, skip_first_tokens, support
+    declared: dict = {}
 
 
-ROW_TENSORS = ("student_logprobs", "teacher_logprobs", "student_logits", "teacher_logits", "student_token_logprobs",
-               "teacher_token_logprobs", "divergence", "student_prompt_ids", "teacher_prompt_ids")
+ROW_TENSORS = ("student_logprobs", "teacher_logprobs", "student_logits", "teacher_logits",
+               "student_token_logprobs", "teacher_token_logprobs", "divergence",
+               "student_prompt_ids", "teacher_prompt_ids", "teacher_topk_ids",
+               "teacher_topk_logprobs", "student_topk_logprobs", "sampler_token_logprobs")
 BATCH_TENSORS = ("input_ids", "attention_mask", "position_ids", "answer_mask", "scored_mask")
-DECLARABLE = {"temperature": float, "beta": float, "tau": float, "skip_first_tokens": int, "support": str}
+DECLARABLE = {"temperature": float, "beta": float, "tau": float, "skip_first_tokens": int,
+              "support": str, "form": str}
 
 
-def write_dump(path, *, setting=None, clip, rows, loss=None, normalisation=None, micro_batch_size=None,
-               batches=None, logits=None, **declared):
-    """Write a dump: rows {fixture row: {name: tensor}} (names in ROW_TENSORS), batches {(k, side): {name:
-    tensor}} (names in BATCH_TENSORS), the rest as text in the file's metadata; `declared`: any of DECLARABLE,
-    a setting of the peer's own (with or instead of one of the fixture's)."""
+def write_dump(path, *, setting=None, clip, rows, loss=None, normalisation=None,
+               micro_batch_size=None, batches=None, logits=None, **declared):
+    """Write a dump: rows {fixture row: {name: tensor}} (names in ROW_TENSORS), batches
+    {(k, side): {name: tensor}} (names in BATCH_TENSORS), the rest as text in the file's metadata;
+    `declared`: any of DECLARABLE, a setting of the peer's own (with or instead of one of the
+    fixture's)."""
     from safetensors.torch import save_file
 
-    tensors = {f"row{i}.{name}": t.contiguous() for i, named in rows.items() for name, t in named.items()}
+    tensors = {}
+    for i, named in rows.items():
+        tensors.update({f"row{i}.{name}": t.contiguous() for name, t in named.items()})
     for (k, side), named in (batches or {}).items():
         tensors.update({f"batch{k}.{side}.{name}": t.contiguous() for name, t in named.items()})
     meta = {"clip": clip}
@@ -773,9 +983,9 @@ def read_dump(path):
         tensors = {name: f.get_tensor(name) for name in f.keys()}
     if "clip" not in meta:
         raise SystemExit(f"verify.py: {path} has no 'clip' in its metadata (README.md: the dump).")
-    if "setting" not in meta and not {"temperature", "beta"} <= set(meta):
-        raise SystemExit(f"verify.py: {path} has neither a 'setting' nor a 'temperature' and a 'beta' in its "
-                         "metadata (README.md: the dump).")
+    if "setting" not in meta and not ("temperature" in meta and ("beta" in meta or "form" in meta)):
+        raise SystemExit(f"verify.py: {path} has neither a 'setting' nor a 'temperature' and a "
+                         "'beta' (or a 'form') in its metadata (README.md: the dump).")
     rows, batches = {}, {}
     for name, t in tensors.items():
         head, _, field = name.partition(".")
@@ -786,86 +996,131 @@ def read_dump(path):
             side, tensor = field.split(".", 1)
             batches.setdefault((int(head[5:]), side), {})[tensor] = t
         else:
-            raise SystemExit(f"verify.py: {path} holds {name!r}, which is no tensor of a dump (README.md).")
+            raise SystemExit(f"verify.py: {path} holds {name!r}, which is no tensor of a dump "
+                             "(README.md).")
     if meta.get("logits", "raw") not in ("raw", "divided"):
-        raise SystemExit(f"verify.py: {path}: its metadata's logits is {meta['logits']!r}; say 'raw' (before the "
-                         "temperature) or 'divided' (already divided by it).")
+        raise SystemExit(f"verify.py: {path}: its metadata's logits is {meta['logits']!r}; say "
+                         "'raw' (before the temperature) or 'divided' (already divided by it).")
     declared = {}
     for key, kind in DECLARABLE.items():
         if key in meta:
             try:
                 declared[key] = kind(meta[key])
             except ValueError:
-                raise SystemExit(f"verify.py: {path}: its metadata's {key} is {meta[key]!r}, not a number.")
+                raise SystemExit(f"verify.py: {path}: its metadata's {key} is {meta[key]!r}, not a "
+                                 "number.")
+    if "form" in declared and parse_form(declared["form"]) is None:
+        raise SystemExit(f"verify.py: {path}: its metadata's form is {declared['form']!r}; say "
+                         "'term', 'cross-entropy' or 'mixed:W' (W from 0 to 1).")
     if "support" in declared and parse_support(declared["support"]) is None:
-        raise SystemExit(f"verify.py: {path}: its metadata's support is {declared['support']!r}; say 'full', "
-                         f"'top-k:SIDE:K' (':tail' after it for a tail entry) or 'sampled-token:FORM' (FORM one of "
-                         f"{', '.join(SAMPLED_FORMS)}; ':clamped' after it for halves clamped at >= 0).")
+        raise SystemExit(f"verify.py: {path}: its metadata's support is {declared['support']!r}; "
+                         "say 'full', 'top-k:SIDE:K' (':tail' after it for a tail entry, "
+                         "':raw-SIDE' for that side's log-probs as they are) or "
+                         f"'sampled-token:FORM' (FORM one of {', '.join(SAMPLED_FORMS)}; "
+                         "':clamped' after it for halves clamped at >= 0).")
     size = meta.get("micro_batch_size")
     return Dump(meta.get("setting"), meta["clip"], float(meta["loss"]) if "loss" in meta else None,
-                meta.get("normalisation"), int(size) if size else None, rows, batches, meta.get("logits"), declared)
+                meta.get("normalisation"), int(size) if size else None, rows, batches,
+                meta.get("logits"), declared)
 
 
 # -----------------------------------------------------------------------------
 # The checks
 
 CAUSES = {
-    "temperature:student": "the student's log-probs are at another temperature than the declared one",
-    "temperature:teacher": "the teacher's log-probs are at another temperature than the declared one",
+    "temperature:student": "the student's log-probs are at another temperature than the declared "
+                           "one",
+    "temperature:teacher": "the teacher's log-probs are at another temperature than the declared "
+                           "one",
     "temperature:both": "both sides' log-probs are at another temperature than the declared one",
-    "beta": "another divergence than the declared one (beta 0 the forward KL, 1 the reverse, between the "
-            "generalized JSD)",
+    "beta": "another divergence than the declared one (beta 0 the forward KL, 1 the reverse, "
+            "between the generalized JSD)",
     "clip:entry": "the clip bounds each vocabulary entry's term before the sum (the entry clip)",
     "clip:token": "the clip bounds the position's sum, after the sum (the token clip)",
     "clip:none": "no clip",
     "tau": "the clip bounds at another tau than the declared one",
-    "normalisation:micro-batch": "the loss is the mean over micro-batches of each micro-batch's token mean, "
-                                 "not the step's sum over all its answer tokens / their number",
-    "normalisation:answer": "the loss is the mean over answers of each answer's token mean, not the step's "
-                            "sum over all its answer tokens / their number",
-    "normalisation:row": "the loss is the mean over answers of each answer's sum (the step's sum / the number of "
-                         "answers), not the step's sum / the number of its answer tokens",
-    "normalisation:sum": "the loss is the step's sum over its answer tokens, not divided by their number",
-    "normalisation:divisor": "the loss is the step's sum over its answer tokens divided by a number other than "
-                             "theirs",
+    "normalisation:micro-batch": "the loss is the mean over micro-batches of each micro-batch's "
+                                 "token mean, not the step's sum over all its answer tokens / "
+                                 "their number",
+    "normalisation:answer": "the loss is the mean over answers of each answer's token mean, not "
+                            "the step's sum over all its answer tokens / their number",
+    "normalisation:row": "the loss is the mean over answers of each answer's sum (the step's sum / "
+                         "the number of answers), not the step's sum / the number of its answer "
+                         "tokens",
+    "normalisation:sum": "the loss is the step's sum over its answer tokens, not divided by their "
+                         "number",
+    "normalisation:divisor": "the loss is the step's sum over its answer tokens divided by a "
+                             "number other than theirs",
     "skip:ignored": "the first answer positions are not left out of the loss (--skip-first-tokens)",
     "skip:counted": "the left-out first positions still count in the loss's denominator",
-    "pad-first:student": "the first answer position of each row whose student prompt is shorter than its "
-                         "micro-batch's longest is predicted from a pad's hidden state (prompts padded on the "
-                         "right, answers after the pads, logits taken from the micro-batch's prompt length)",
-    "pad-first:teacher": "the first answer position of each row whose teacher prompt is shorter than its "
-                         "micro-batch's longest is predicted from a pad's hidden state (prompts padded on the "
-                         "right, answers after the pads, logits taken from the micro-batch's prompt length)",
-    "pad-first:either": "the first answer position of rows whose prompts are shorter than their micro-batch's "
-                        "longest on both sides is predicted from a pad's hidden state (the rows cannot tell "
-                        "which side)",
-    "position-ids:student": "the answer tokens of rows with a shorter student prompt sit at position ids "
-                            "counted over the pads after the prompt, not over the real tokens",
-    "position-ids:teacher": "the answer tokens of rows with a shorter teacher prompt sit at position ids "
-                            "counted over the pads after the prompt, not over the real tokens",
-    "position-ids:either": "the answer tokens of rows with shorter prompts sit at position ids counted over "
-                           "the pads (the rows cannot tell which side)",
-    "shift:+1": "every position is one too late: position j is the output at answer token j itself (which "
-                "predicts token j + 1), not at the token before it",
-    "shift:-1": "every position is one too early: position j is the output two tokens before answer token j",
-    "prompt:student": "the student's prompt differs from the fixture's (compare your ids with each row's "
-                      "student_prompt_ids)",
-    "prompt:teacher": "the teacher's prompt differs from the fixture's (compare your ids with each row's "
-                      "teacher_prompt_ids)",
-    "logits:divided": "these logits are already divided by a temperature, though the dump's metadata (or the "
-                      "other side) says raw: dump both sides alike and say which in the metadata's logits",
-    "top-k:student:renormalised": "the divergence is taken over the student's top k entries only, both sides' "
-                                  "probabilities renormalised over them",
-    "top-k:student:tail": "the divergence is taken over the student's top k entries and one more entry holding "
-                          "the rest of each side's mass",
-    "top-k:teacher:renormalised": "the divergence is taken over the teacher's top k entries only, both sides' "
-                                  "probabilities renormalised over them",
-    "top-k:teacher:tail": "the divergence is taken over the teacher's top k entries and one more entry holding "
-                          "the rest of each side's mass",
+    "pad-first:student": "the first answer position of each row whose student prompt is shorter "
+                         "than its micro-batch's longest is predicted from a pad's hidden state "
+                         "(prompts padded on the right, answers after the pads, logits taken from "
+                         "the micro-batch's prompt length)",
+    "pad-first:teacher": "the first answer position of each row whose teacher prompt is shorter "
+                         "than its micro-batch's longest is predicted from a pad's hidden state "
+                         "(prompts padded on the right, answers after the pads, logits taken from "
+                         "the micro-batch's prompt length)",
+    "pad-first:either": "the first answer position of rows whose prompts are shorter than their "
+                        "micro-batch's longest on both sides is predicted from a pad's hidden "
+                        "state (the rows cannot tell which side)",
+    "position-ids:student": "the answer tokens of rows with a shorter student prompt sit at "
+                            "position ids counted over the pads after the prompt, not over the "
+                            "real tokens",
+    "position-ids:teacher": "the answer tokens of rows with a shorter teacher prompt sit at "
+                            "position ids counted over the pads after the prompt, not over the "
+                            "real tokens",
+    "position-ids:either": "the answer tokens of rows with shorter prompts sit at position ids "
+                           "counted over the pads (the rows cannot tell which side)",
+    "shift:+1": "every position is one too late: position j is the output at answer token j itself "
+                "(which predicts token j + 1), not at the token before it",
+    "shift:-1": "every position is one too early: position j is the output two tokens before "
+                "answer token j",
+    "prompt:student": "the student's prompt differs from the fixture's (compare your ids with each "
+                      "row's student_prompt_ids)",
+    "prompt:teacher": "the teacher's prompt differs from the fixture's (compare your ids with each "
+                      "row's teacher_prompt_ids)",
+    "logits:divided": "these logits are already divided by a temperature, though the dump's "
+                      "metadata (or the other side) says raw: dump both sides alike and say which "
+                      "in the metadata's logits",
+    "top-k:student:renormalised": "the divergence is taken over the student's top k entries only, "
+                                  "both sides' probabilities renormalised over them",
+    "top-k:student:tail": "the divergence is taken over the student's top k entries and one more "
+                          "entry holding the rest of each side's mass",
+    "top-k:teacher:renormalised": "the divergence is taken over the teacher's top k entries only, "
+                                  "both sides' probabilities renormalised over them",
+    "top-k:teacher:tail": "the divergence is taken over the teacher's top k entries and one more "
+                          "entry holding the rest of each side's mass",
+    "top-k:student:teacher-raw": "the value is taken over the student's top k entries, the "
+                                 "student's probabilities renormalised over them and the teacher's "
+                                 "log-probs used as they are",
+    "top-k:teacher:student-raw": "the value is taken over the teacher's top k entries, the "
+                                 "teacher's probabilities renormalised over them and the student's "
+                                 "log-probs used as they are (their sum below 1)",
+    "top-k:student:student-raw": "the value is taken over the student's top k entries, the "
+                                 "teacher's probabilities renormalised over them and the student's "
+                                 "log-probs used as they are",
+    "top-k:teacher:teacher-raw": "the value is taken over the teacher's top k entries, the "
+                                 "student's probabilities renormalised over them and the teacher's "
+                                 "log-probs used as they are",
+    "form:mixed": "the value is a weighted sum of the two KLs, w KL(T || S) + (1 - w) KL(S || T), "
+                  "not the declared divergence (at w 0.5 it is far from the JSD of beta 0.5)",
+    "form:cross-entropy": "the value is the cross-entropy -sum_v p_T(v) log p_S(v), the forward KL "
+                          "plus the teacher's entropy over the same entries: it does not vanish "
+                          "where the two sides agree",
+    "form:term": "the value is the divergence of beta (0 the forward KL, 1 the reverse, between "
+                 "the generalized JSD), not the declared form",
+    "prompt:teacher=student": "the teacher is given the student's own prompt, without the "
+                              "reference: with one model on both sides its log-probs are the "
+                              "student's, every value and the loss are 0, and the step carries "
+                              "no signal",
+    "value:unexplained": "your values at some positions are none of the configurations tried "
+                         "(its size: those positions replaced by what explains the rest)",
     "support:full": "the value is taken over the whole vocabulary, not over the declared support",
     "clamp:halves": "each half of the sampled-token value is clamped at >= 0",
     "clamp:none": "the sampled-token value's halves are not clamped, though declared so",
-    **{f"sampled-token:{form}": f"each position's value comes from the sampled answer token y alone: {text}"
+    **{f"sampled-token:{form}": "each position's value comes from the sampled answer token y "
+                                f"alone: {text}"
        for form, (_, text) in SAMPLED_FORMS.items()},
 }
 
@@ -877,19 +1132,24 @@ class Check(NamedTuple):
     causes: list  # keys of CAUSES
     notes: dict = {}  # {cause: what the numbers say of it, e.g. the k of a top-k divergence}
     found: str | None = None  # what the check identified the peer computes, with the residual
+    # {cause: (the loss with the departures found, the loss with that one alone undone)}, each the
+    # step's token mean
+    sizes: dict = {}
 
 
 def span(rows):
     """'rows 1, 2, 5' of a set of rows (at most 12 named)."""
     rows = sorted(rows)
-    named = ", ".join(map(str, rows[:12])) + (f" and {len(rows) - 12} more" if len(rows) > 12 else "")
+    named = ", ".join(map(str, rows[:12]))
+    if len(rows) > 12:
+        named += f" and {len(rows) - 12} more"
     return f"row{'s' if len(rows) > 1 else ''} {named}"
 
 
 def side_of(rows, shorter):
-    """Which side's shorter-prompt rows hold `rows` (shorter: {side: rows}, one side or both): that side,
-    'either' (every such row is shorter on both sides), 'both' (some are shorter on one side only, some on
-    the other only) or None."""
+    """Which side's shorter-prompt rows hold `rows` (shorter: {side: rows}, one side or both): that
+    side, 'either' (every such row is shorter on both sides), 'both' (some are shorter on one side
+    only, some on the other only) or None."""
     on = [side for side in shorter if rows <= shorter[side]]
     if len(on) == 2:
         return "either"
@@ -902,14 +1162,26 @@ def side_causes(kind, side):
     return [f"{kind}:{s}" for s in SIDES] if side == "both" else [f"{kind}:{side}"]
 
 
+class Reading(NamedTuple):
+    """What diagnose reads: its lines and causes, whether every position is explained, the
+    hypothesis that explains most, and {cause: {row: (L,) bool}} the positions each cause explains
+    (None: the positions nothing explains)."""
+    lines: list
+    causes: list
+    explained: bool
+    best: str
+    positions: dict
+
+
 def diagnose(hypotheses, errors, matched, lengths, shorter):
-    """(lines, causes, explained) of a comparison, explained False where positions are left that nothing names.
-    hypotheses: {name: [its causes]}, the first the fixture's (no cause); errors, matched: {name: {row: (L,)}},
-    each position's distance to the hypothesis and whether it lies within the tolerance; shorter: {side: rows
-    shorter than their micro-batch's longest prompt}, of the side compared (or of both, for the divergence). The hypothesis matching most positions explains
-    them; the positions it leaves are read by their pattern:
-      - the first position of rows with a shorter prompt, off by far more than the row's other positions
-        (PAD_FIRST_RATIO times): the first position predicted from a pad;
+    """Reading of a comparison, explained False where positions are left that nothing names.
+    hypotheses: {name: [its causes]}, the first the fixture's (no cause); errors, matched: {name:
+    {row: (L,)}}, each position's distance to the hypothesis and whether it lies within the
+    tolerance; shorter: {side: rows shorter than their micro-batch's longest prompt}, of the side
+    compared (or of both, for the divergence). The hypothesis matching most positions explains them;
+    the positions it leaves are read by their pattern:
+      - the first position of rows with a shorter prompt, off by far more than the row's other
+        positions (PAD_FIRST_RATIO times): the first position predicted from a pad;
       - other positions, only in rows with a shorter prompt: position ids counted over pads;
       - every position of some rows, on one side: that side's prompt."""
     asked = next(iter(hypotheses))
@@ -917,45 +1189,59 @@ def diagnose(hypotheses, errors, matched, lengths, shorter):
     total = sum(lengths[r] for r in rows)
     count = {h: sum(int(matched[h][r].sum()) for r in rows) for h in hypotheses}
     if count[asked] == total:
-        return [f"all {total} positions match (largest difference {max_error(errors[asked]):.1e})"], [], True
+        largest = max_error(errors[asked])
+        lines = [f"all {total} positions match (largest difference {largest:.1e})"]
+        return Reading(lines, [], True, asked, {})
     best = max(hypotheses, key=lambda h: (count[h], h == asked))
     lines, causes = [f"{count[asked]} of {total} positions match"], []
+    positions = {}
     if best != asked:
         lines.append(f"{count[best]} of {total} positions match {best}")
         causes += hypotheses[best]
+        for cause in hypotheses[best]:
+            positions[cause] = {r: matched[best][r].clone() for r in rows}
     err = errors[best]
     left = {r: ~matched[best][r] for r in rows}  # what the best hypothesis leaves unexplained
     rest = lambda r: float(err[r][1:].max()) if lengths[r] > 1 else 0.0  # noqa: E731
     pad_first = {r for r in rows if left[r][0] and err[r][0] > PAD_FIRST_RATIO * rest(r)}
     where = side_of(pad_first, shorter) if pad_first else None
     if where:
-        of = f" ({len(pad_first)} of the {len(shorter[where])} shorter rows)" if where in shorter else ""
+        of = ""
+        if where in shorter:
+            of = f" ({len(pad_first)} of the {len(shorter[where])} shorter rows)"
         against = "the fixture's" if best == asked else f"those of {best}"
         lines.append(f"the first position of {span(pad_first)}{of} differs from {against} by up to "
-                     f"{max(float(err[r][0]) for r in pad_first):.3g}, their other positions by at most "
-                     f"{max(rest(r) for r in pad_first):.1e}")
-        causes += side_causes("pad-first", where)
+                     f"{max(float(err[r][0]) for r in pad_first):.3g}, their other positions by at "
+                     f"most {max(rest(r) for r in pad_first):.1e}")
+        for cause in side_causes("pad-first", where):
+            causes.append(cause)
+            positions[cause] = {r: torch.arange(lengths[r]) == 0 for r in pad_first}
         for r in pad_first:
             left[r][0] = False
     drift = {r for r in rows if left[r].any()}
     if not drift:
-        return lines, causes, True
+        return Reading(lines, causes, True, best, positions)
+    drifting = {r: left[r].clone() for r in drift}
     n = sum(int(left[r].sum()) for r in drift)
     largest = max(float(err[r][left[r]].max()) for r in drift)
     where = side_of(drift, shorter)
     if where:
-        lines.append(f"{n} positions of {span(drift)}, every one a row with a shorter prompt than its "
-                     f"micro-batch's longest, differ (by up to {largest:.1e})")
-        causes += side_causes("position-ids", where)
-        return lines, causes, True
+        lines.append(f"{n} positions of {span(drift)}, every one a row with a shorter prompt than "
+                     f"its micro-batch's longest, differ (by up to {largest:.1e})")
+        for cause in side_causes("position-ids", where):
+            causes.append(cause)
+            positions[cause] = drifting
+        return Reading(lines, causes, True, best, positions)
     if len(shorter) == 1 and all(left[r].all() for r in drift):
         lines.append(f"every position of {span(drift)} differs (by up to {largest:.3g})")
         causes.append(f"prompt:{next(iter(shorter))}")
-        return lines, causes, True
+        positions[causes[-1]] = drifting
+        return Reading(lines, causes, True, best, positions)
     worst = max((float(err[r][j]), r, j) for r in drift for j in range(lengths[r]) if left[r][j])
-    lines.append(f"{n} positions of {span(drift)} differ; the largest difference, {worst[0]:.3g}, at "
-                 f"row {worst[1]} position {worst[2]}")
-    return lines, causes, False
+    lines.append(f"{n} positions of {span(drift)} differ; the largest difference, {worst[0]:.3g}, "
+                 f"at row {worst[1]} position {worst[2]}")
+    positions[None] = drifting
+    return Reading(lines, causes, False, best, positions)
 
 
 def max_error(per_row):
@@ -963,27 +1249,47 @@ def max_error(per_row):
 
 
 def side_numbers(dump, side):
-    """(key, {row: float64 tensor}): the side's numbers in the dump, its log-probs, logits or sampled-token
-    log-probs, whichever every row holds; (None, {}) if none."""
-    for key in (f"{side}_logprobs", f"{side}_logits", f"{side}_token_logprobs"):
-        if dump.rows and all(key in t for t in dump.rows.values()):
+    """(key, {row: float64 tensor}): the side's numbers in the dump, its log-probs, logits,
+    log-probs at the teacher's top K ids (with those ids in every row) or sampled-token log-probs,
+    whichever every row holds; (None, {}) if none."""
+    keys = (f"{side}_logprobs", f"{side}_logits", f"{side}_topk_logprobs", f"{side}_token_logprobs")
+    for key in keys:
+        needs = {key}
+        if key.endswith("_topk_logprobs"):
+            needs.add("teacher_topk_ids")
+        if dump.rows and all(needs <= set(t) for t in dump.rows.values()):
             return key, {r: t[key].double() for r, t in dump.rows.items()}
     return None, {}
 
 
-def compare_side(ref, dump, side, declared, size, divided=False, inferred=False, own_prompts=False):
-    """Check: the side's log-probs (or logits: raw, or already divided by the temperature when `divided`;
-    `inferred`: the form read from the numbers, the dump not saying; or the sampled token's log-probs) at every
-    answer position, against the reference's; the temperature they are at, fitted; and against what positions
-    shifted by one or position ids counted over the pads of micro-batches of `size` rows would give."""
+def top_ids(dump):
+    """{row: (L, K) ids} of the teacher's top K the dump holds, or {}."""
+    if not dump.rows or not all("teacher_topk_ids" in t for t in dump.rows.values()):
+        return {}
+    return {r: t["teacher_topk_ids"].long() for r, t in dump.rows.items()}
+
+
+def compare_side(ref, dump, side, declared, size, divided=False, inferred=False, own_prompts=False,
+                 skip=0):
+    """Check: the side's log-probs (or logits: raw, or already divided by the temperature when
+    `divided`; `inferred`: the form read from the numbers, the dump not saying; or the sampled
+    token's log-probs) at every answer position, against the reference's; the temperature they are
+    at, fitted; and against what positions shifted by one or position ids counted over the pads of
+    micro-batches of `size` rows would give. Each cause's size: the loss from these numbers (the
+    other side the reference's), against the same with the positions it explains as they would be
+    without it (skip: the positions left out of the loss)."""
     name = f"{side} log-probs"
     key, numbers = side_numbers(dump, side)
     if key is None:
-        return Check(name, "not checked", [f"the dump holds no {side}_logprobs (nor {side}_logits, nor "
-                                           f"{side}_token_logprobs) for every row"], [])
+        return Check(name, "not checked",
+                     [f"the dump holds no {side}_logprobs (nor {side}_logits, nor "
+                      f"{side}_token_logprobs) for every row"], [])
     T = getattr(declared, f"{side}_t")
     logits = key.endswith("_logits")
     token = key.endswith("_token_logprobs")
+    ids = {}
+    if key.endswith("_topk_logprobs"):
+        ids = top_ids(dump)
     raw = logits and not divided
     expected = T  # the temperature the reference's log-softmax is compared at
     if raw:
@@ -992,21 +1298,28 @@ def compare_side(ref, dump, side, declared, size, divided=False, inferred=False,
     for row, v in sorted(numbers.items()):
         want = None
         if row < len(ref.rows):
-            want = (ref.lengths[row],) if token else (ref.lengths[row], ref.logits[side][row].shape[-1])
+            want = (ref.lengths[row], ref.logits[side][row].shape[-1])
+            if token:
+                want = (ref.lengths[row],)
+            if ids:
+                want = tuple(ids[row].shape)
         if tuple(v.shape) != want:
-            lines.append(f"row {row}: shape {tuple(v.shape)}, the fixture's {want or 'has no such row'}")
+            lines.append(f"row {row}: shape {tuple(v.shape)}, the fixture's "
+                         f"{want or 'has no such row'}")
             continue
         x[row] = torch.log_softmax(v, -1) if logits else v
     if lines:
         return Check(name, "differs", lines, [])
 
-    def errors(temperature, offset=0, padded=None):
+    def errors(temperature, offset=0, padded=None, source=None):
         out = {}
         for row, v in x.items():
-            want = ref.log_probs(side, row, temperature, offset, padded)
+            want = ref.log_probs(source or side, row, temperature, offset, padded)
             if token:
                 y = torch.tensor(ref.rows[row]["completion_ids"])
                 out[row] = (v - want.gather(-1, y[:, None])[:, 0]).abs()
+            elif ids:
+                out[row] = (v - want.gather(-1, ids[row])).abs().amax(-1)
             else:
                 out[row] = (v - want).abs().amax(-1)
         return out
@@ -1015,8 +1328,10 @@ def compare_side(ref, dump, side, declared, size, divided=False, inferred=False,
         return sum(int((e <= TOL_LOGPROB).sum()) for e in errors(temperature).values())
 
     total = sum(ref.lengths[r] for r in x)
-    fitted = minimise(lambda t: sum(float(e.sum()) for e in errors(t).values()), *TEMPERATURES, log=True)
-    hypotheses = {"the fixture": ({"temperature": expected}, [])}  # name: (errors' arguments, causes)
+    fitted = minimise(lambda t: sum(float(e.sum()) for e in errors(t).values()), *TEMPERATURES,
+                      log=True)
+    # name: (errors' arguments, causes)
+    hypotheses = {"the fixture": ({"temperature": expected}, [])}
     moved = not same(fitted, expected) and count(fitted) > max(count(expected), total // 2)
     notes = {}
     temperatures = [(expected, None, "")]
@@ -1032,43 +1347,139 @@ def compare_side(ref, dump, side, declared, size, divided=False, inferred=False,
     for t, cause, label in temperatures:
         for offset in (1, -1):
             hypotheses[", ".join(filter(None, [label, f"positions shifted by {offset:+d}"]))] = (
-                {"temperature": t, "offset": offset}, ([cause] if cause else []) + [f"shift:{offset:+d}"])
+                {"temperature": t, "offset": offset},
+                ([cause] if cause else []) + [f"shift:{offset:+d}"])
     hypotheses["position ids counted over the pads"] = ({"temperature": expected, "padded": size},
                                                         [f"position-ids:{side}"])
+    if side == "teacher":
+        hypotheses["the student's log-probs"] = ({"temperature": expected, "source": "student"},
+                                                 ["prompt:teacher=student"])
     errs = {h: errors(**kw) for h, (kw, _) in hypotheses.items()}
     matched = {h: {r: e <= TOL_LOGPROB for r, e in errs[h].items()} for h in hypotheses}
-    found, causes, _ = diagnose({h: c for h, (_, c) in hypotheses.items()}, errs, matched, ref.lengths,
-                                {side: ref.shorter(side, size)})
+    student_like = "the student's log-probs"
+    if student_like in hypotheses and sum(int(m.sum()) for m in matched[student_like].values()) \
+            <= total // 2:  # named only where the teacher's numbers are mostly the student's
+        del hypotheses[student_like], errs[student_like], matched[student_like]
+    reading = diagnose({h: c for h, (_, c) in hypotheses.items()}, errs, matched, ref.lengths,
+                       {side: ref.shorter(side, size)})
+    found, causes = reading.lines, reading.causes
+    sizes = {}
+    if causes:
+        scale = 1.0
+        if raw:
+            scale = T  # raw logits' log-probs at the loss temperature
+        own = None
+        if not token and not ids:
+            own = {row: torch.log_softmax(v / scale, -1) for row, v in x.items()}
+        sizes = side_sizes(ref, side, declared, skip, own, hypotheses, reading, scale)
     if logits:
-        unit = (f"logits already divided by T = {T:g}" if divided else
-                "raw logits (before the temperature, which cannot be seen in them)") + \
-            (" (read from the numbers: say which in the dump's metadata logits)" if inferred and T != 1.0 else "") + \
-            ", log-softmaxed"
+        unit = "raw logits (before the temperature, which cannot be seen in them)"
+        if divided:
+            unit = f"logits already divided by T = {T:g}"
+        if inferred and T != 1.0:
+            unit += " (read from the numbers: say which in the dump's metadata logits)"
+        unit += ", log-softmaxed"
     elif token:
         unit = f"the sampled token's log-probs at temperature {T:g}"
+    elif ids:
+        K = next(iter(ids.values())).shape[-1]
+        unit = f"log-probs at the teacher's top {K} ids at temperature {T:g}"
     else:
         unit = f"log-probs at temperature {T:g}"
     if own_prompts:
         unit += ", against your own prompt ids"
     ok = not causes and found[0].startswith("all")
     head = f"{unit}, |delta log p| within {TOL_LOGPROB:g}: {found[0]}"
+    if ids and side == "teacher":
+        found.append(top_ids_line(ref, ids, fitted if moved else expected))
     at = fitted if moved else expected
     residual = max_error(errors(at))
     if raw and not moved:
         identified = f"{side}: raw logits (the temperature is not in them; the divergence shows it)"
     else:
-        identified = f"{side}: log-probs at T {at:.4g} (fitted: {fitted:.4g}), |delta log p| up to {residual:.1e}"
+        identified = f"{side}: log-probs at T {at:.4g} (fitted: {fitted:.4g}), " \
+                     f"|delta log p| up to {residual:.1e}"
         if raw:
             identified = f"{side}: logits divided by {at:.4g}, |delta log p| up to {residual:.1e}"
+    if reading.best == student_like:
+        residual = max_error(errs[student_like])
+        identified = f"{side}: the student's log-probs (the teacher given the student's prompt), " \
+                     f"|delta log p| up to {residual:.1e}"
     return Check(name, "matches" if ok else "differs", [head, *found[1:]], causes,
-                 {c: n for c, n in notes.items() if c in causes}, identified)
+                 {c: n for c, n in notes.items() if c in causes}, identified, sizes)
+
+
+# a cause's kind: the argument of compare_side's errors that it sets
+UNDO = {"temperature": "temperature", "logits": "temperature", "shift": "offset",
+        "position-ids": "padded", "prompt": "source"}
+
+
+def side_sizes(ref, side, declared, skip, own, hypotheses, reading, scale):
+    """{cause: (with, undone)} of a side's causes (compare_side): the step's token mean under the
+    declared configuration from this side's log-probs `own` ({row: (L, V)} at the loss temperature;
+    None: the reference's under the best hypothesis) and the other side's reference, against the
+    same with the positions each cause explains replaced by the reference's without that cause.
+    scale:
+    the hypotheses' temperatures are this many times the loss temperature's (raw logits: 1 / T)."""
+    other = other_side(side)
+    best = hypotheses[reading.best][0]
+    rows = list(range(len(ref.rows)))
+    if own is not None:
+        rows = sorted(own)
+
+    def reference(row, arguments):
+        kw = {"temperature": arguments["temperature"] * scale, "offset": arguments.get("offset", 0),
+              "padded": arguments.get("padded")}
+        return ref.log_probs(arguments.get("source") or side, row, **kw)
+
+    def loss(log_p):
+        mine = torch.cat([log_p[row] for row in rows])
+        theirs = torch.cat([ref.log_probs(other, row, getattr(declared, f"{other}_t"))
+                            for row in rows])
+        pair = {side: Numbers(logprobs=mine), other: Numbers(logprobs=theirs)}
+        y = torch.cat([torch.tensor(ref.rows[row]["completion_ids"]) for row in rows])
+        values = config_values(declared, pair["student"], pair["teacher"], y)
+        kept = torch.cat([torch.arange(ref.lengths[row]) >= skip for row in rows])
+        return float(values[kept].sum()) / max(int(kept.sum()), 1)
+
+    if own is None:
+        own = {row: reference(row, best) for row in rows}
+    with_it = loss(own)
+    sizes = {}
+    for cause in reading.causes:
+        arguments = dict(best)
+        if cause in hypotheses[reading.best][1]:
+            undo = UNDO[cause.split(":")[0]]
+            arguments[undo] = {"temperature": hypotheses[next(iter(hypotheses))][0]["temperature"],
+                               "offset": 0, "padded": None, "source": None}[undo]
+        undone = dict(own)
+        for row, at in reading.positions.get(cause, {}).items():
+            undone[row] = own[row].clone()
+            undone[row][at] = reference(row, arguments)[at]
+        sizes[cause] = (with_it, loss(undone))
+    return sizes
+
+
+def top_ids_line(ref, ids, temperature):
+    """A line saying at how many positions the dumped ids are the reference teacher's top K (each
+    id's log-prob no lower than the K-th largest's, within the tolerance)."""
+    wrong, total = 0, 0
+    for row, top in ids.items():
+        log_t = ref.log_probs("teacher", row, temperature)
+        K = top.shape[-1]
+        kth = log_t.topk(K, -1).values[:, -1]
+        wrong += int((log_t.gather(-1, top).amin(-1) < kth - TOL_LOGPROB).sum())
+        total += len(top)
+    if not wrong:
+        return f"the ids are the teacher's top {K} at all {total} positions"
+    return f"the ids are not the teacher's top {K} at {wrong} of {total} positions"
 
 
 def logits_form(ref, dump, T):
-    """(divided, inferred): whether the dumped logits are already divided by the temperature T, and whether that
-    was read from the numbers (the metadata not saying). Read from the numbers, both sides together: the form
-    under which more of their positions match the reference (a tie, e.g. one side each, reads as divided: a
-    peer that divides its logits by T and forgets one side)."""
+    """(divided, inferred): whether the dumped logits are already divided by the temperature T, and
+    whether that was read from the numbers (the metadata not saying). Read from the numbers, both
+    sides together: the form under which more of their positions match the reference (a tie, e.g.
+    one side each, reads as divided: a peer that divides its logits by T and forgets one side)."""
     if dump.logits is not None:
         return dump.logits == "divided", False
     sides = [s for s in SIDES if dump.rows and all(f"{s}_logits" in t and f"{s}_logprobs" not in t
@@ -1081,15 +1492,22 @@ def logits_form(ref, dump, T):
         for side in sides:
             for row, tensors in dump.rows.items():
                 x = tensors[f"{side}_logits"].double()
-                if row < len(ref.rows) and tuple(x.shape) == (ref.lengths[row], ref.logits[side][row].shape[-1]):
+                if row < len(ref.rows) and tuple(x.shape) == (ref.lengths[row],
+                                                              ref.logits[side][row].shape[-1]):
                     e = (torch.log_softmax(x, -1) - ref.log_probs(side, row, t)).abs().amax(-1)
                     count[t] += int((e <= TOL_LOGPROB).sum())
     return count[T] >= count[1.0] and count[T] > 0, True
 
 
 def own_numbers(dump, rows, divided):
-    """{side: Numbers} of the dump's own numbers over `rows`, concatenated (raw logits keep their temperature
-    a parameter), or None if a side has none."""
+    """{side: Numbers} of the dump's own numbers over `rows`, concatenated (raw logits keep their
+    temperature a parameter; log-probs at the teacher's top K ids keep the sampled token's too, and
+    the student's the sampler's), or None if a side has none."""
+    def joined(name):
+        if not all(name in dump.rows.get(r, {}) for r in rows):
+            return None
+        return torch.cat([dump.rows[r][name].double() for r in rows])
+
     out = {}
     for side in SIDES:
         key, numbers = side_numbers(dump, side)
@@ -1098,38 +1516,109 @@ def own_numbers(dump, rows, divided):
         x = torch.cat([numbers[r] for r in rows])
         if key.endswith("_token_logprobs"):
             out[side] = Numbers(token=x)
+        elif key.endswith("_topk_logprobs"):
+            ids = torch.cat([dump.rows[r]["teacher_topk_ids"].long() for r in rows])
+            out[side] = Numbers(logprobs=x, ids=ids, token=joined(f"{side}_token_logprobs"))
         elif key.endswith("_logits") and not divided:
             out[side] = Numbers(logits=x)
         elif key.endswith("_logits"):
             out[side] = Numbers(logprobs=torch.log_softmax(x, -1))
         else:
             out[side] = Numbers(logprobs=x)
+    out["student"].sampler = joined("sampler_token_logprobs")
     return out
+
+
+def sampler_of(dump, rows):
+    """(N,) the sampler's log-probs of the sampled tokens the dump holds over `rows`, or None: the
+    peer's input to an importance-sampling ratio, as its prompts are."""
+    if not rows or not all("sampler_token_logprobs" in dump.rows.get(r, {}) for r in rows):
+        return None
+    return torch.cat([dump.rows[r]["sampler_token_logprobs"].double() for r in rows])
 
 
 def reference_numbers(ref, rows, offset=0, padded=(), size=None):
-    """{side: Numbers} of the reference's raw logits over `rows`, concatenated (positions shifted by `offset`;
-    `padded`: the sides whose answers sit at position ids counted over the pads of micro-batches of `size`)."""
+    """{side: Numbers} of the reference's raw logits over `rows`, concatenated (positions shifted by
+    `offset`; `padded`: the sides whose answers sit at position ids counted over the pads of
+    micro-batches of `size`)."""
     out = {}
     for side in SIDES:
         logits = ref.logits[side] if side not in padded else ref.padded_logits(side, size)
-        out[side] = Numbers(logits=torch.cat([logits[r][1 + offset:1 + offset + ref.lengths[r]] for r in rows]))
+        out[side] = Numbers(logits=torch.cat([logits[r][1 + offset:1 + offset + ref.lengths[r]]
+                                              for r in rows]))
     return out
 
 
+REVERTS = {  # a cause's kind: the Config fields that undoing it puts back to the declared ones
+    "temperature": ("student_t", "teacher_t"), "beta": ("beta",), "tau": ("tau",),
+    "clip": ("clip", "tau"), "clamp": ("clamp",), "form": ("form", "w"),
+    "top-k": ("support", "by", "k", "tail", "raw", "clamp"),
+    "support": ("support", "by", "k", "tail", "raw", "form", "clamp"),
+    "sampled-token": ("support", "by", "k", "tail", "raw", "form", "clamp"),
+}
+
+
+def undone(c, cause, declared):
+    """c with the departure `cause` alone put back to the declared configuration."""
+    fields = REVERTS[cause.split(":")[0]]
+    if cause in ("temperature:student", "temperature:teacher"):
+        fields = (f"{cause.split(':')[1]}_t",)
+    if cause.startswith("top-k") and declared.support == "sampled-token":
+        fields = REVERTS["support"]
+    return c._replace(**{name: getattr(declared, name) for name in fields})
+
+
+def near_zero(peer, values, kept):
+    """How many of the kept positions match only because both values lie within the absolute
+    tolerance of zero (they say nothing of the form)."""
+    both = (peer.abs() <= TOL_DIVERGENCE[0]) & (values.abs() <= TOL_DIVERGENCE[0])
+    return int((both & close(peer, values) & kept).sum())
+
+
+def zero_note(zeros):
+    if not zeros:
+        return ""
+    return f" ({zeros} of them only because both values lie within {TOL_DIVERGENCE[0]:g} of zero)"
+
+
+def allowance(own):
+    """A sentence on what a dump of the teacher's top K ids alone allows and cannot show, or
+    None."""
+    if not own["teacher"].sparse:
+        return None
+    K = own["teacher"].ids.shape[-1]
+    if own["student"].sparse:
+        return f"from the teacher's top {K} and the student's log-probs at those ids, the kit " \
+               f"fits the forms over a top k of the teacher (k up to {K}) and the sampled token " \
+               "where it is among them; these numbers cannot show a value over the whole " \
+               f"vocabulary, the mass outside the {K} entries, nor a top k of the student"
+    return f"from the teacher's top {K} and the student's sampled-token log-probs, the kit fits " \
+           "the sampled token's forms where it is among them; these numbers cannot show any " \
+           "value over several entries (dump the student's log-probs at the teacher's ids)"
+
+
 def compare_divergence(ref, dump, declared, skip, size, divided=False, own_prompts=False):
-    """(Check, the peer's per-position values {row: (L,)} or None): the per-position values, against the
-    reference's under the declared configuration; what configuration explains them, fitted to the peer's own
-    log-probs when it dumped them, else to the reference's (with the positions shifted or counted over pads)."""
+    """(Check, the peer's per-position values {row: (L,)} or None): the per-position values, against
+    the reference's under the declared configuration; what configuration explains them, fitted to
+    the peer's own log-probs when it dumped them, else to the reference's (with the positions
+    shifted or counted over pads, or the teacher given the student's prompt). Each cause's size:
+    the step's token mean of the values as found, against the same with that departure alone
+    undone; a value nothing explains is a cause too (`value:unexplained`), its size that of the
+    positions it holds."""
     name = "divergence"
     if not dump.rows or not all("divergence" in t for t in dump.rows.values()):
         return Check(name, "not checked", ["the dump holds no divergence for every row"], []), None
     peer = {r: t["divergence"].double() for r, t in dump.rows.items()}
     bad = [r for r in peer if r >= len(ref.rows) or peer[r].shape != (ref.lengths[r],)]
     if bad:
-        return Check(name, "differs", [f"row {r}: {tuple(peer[r].shape)} values, the fixture's answer has "
-                                       f"{ref.lengths[r] if r < len(ref.rows) else 'no such row'} positions"
-                                       for r in bad[:5]], []), None
+        lines = []
+        for r in bad[:5]:
+            length = "no such row"
+            if r < len(ref.rows):
+                length = ref.lengths[r]
+            lines.append(f"row {r}: {tuple(peer[r].shape)} values, the fixture's answer has "
+                         f"{length} positions")
+        return Check(name, "differs", lines, []), None
     rows = sorted(peer)
     lengths = [ref.lengths[r] for r in rows]
     y = torch.cat([torch.tensor(ref.rows[r]["completion_ids"]) for r in rows])
@@ -1140,64 +1629,111 @@ def compare_divergence(ref, dump, declared, skip, size, divided=False, own_promp
     def per_row(values):
         return dict(zip(rows, values.split(lengths)))
 
+    def step(values):  # the step's token mean over the positions in the loss
+        return float(values[kept].sum()) / max(total, 1)
+
     def fixture_values(**kw):
         numbers = reference_numbers(ref, rows, **kw)
+        numbers["student"].sampler = sampler_of(dump, rows)
         return config_values(declared, numbers["student"], numbers["teacher"], y, P, TOL_LOGPROB)
 
     asked = fixture_values()
     n = int((close(P, asked) & kept).sum())
-    against = "the reference's (with your prompt ids)" if own_prompts else "the fixture's"
+    against = "the fixture's"
+    if own_prompts:
+        against = "the reference's (with your prompt ids)"
     head = f"{describe(declared)}: {n} of {total} positions within {TOL_DIVERGENCE[0]:g} + " \
            f"{TOL_DIVERGENCE[1]:g} x |value| of {against}"
+    if n < total:
+        head += zero_note(near_zero(P, asked, kept))
     if skip:
         head += f" (positions {skip} on; the first {skip} are left out of the loss)"
     largest = float(((P - asked).abs() * kept).max())
     if n == total:
         return Check(name, "matches", [head + f" (largest difference {largest:.1e})"], [],
-                     found=f"the value: {kind_of(declared)}, {describe(declared)} (as declared), all {total} "
-                           f"positions within tolerance (largest difference {largest:.1e})"), peer
+                     found=f"the value: {kind_of(declared)}, {describe(declared)} (as declared), "
+                           f"all {total} positions within tolerance (largest difference "
+                           f"{largest:.1e})"), peer
+    unexplained = (step(P), step(torch.where(close(P, asked), P, asked)))
     own = own_numbers(dump, rows, divided)
     if own is not None:
         fit = Fit(own["student"], own["teacher"], y, P, kept, declared)
         count, c, note = fit.identify()[0]
-        numbers = "log-probs" if own["student"].full and own["teacher"].full else "sampled-token log-probs"
+        numbers = "sampled-token log-probs"
+        if own["student"].full and own["teacher"].full:
+            numbers = "log-probs"
+        if own["teacher"].sparse:
+            numbers = "top-K log-probs"
         if own["student"].free or own["teacher"].free:
             numbers = "logits"
         said = describe(c, numbers == "logits")
+        allowed = allowance(own)
         if count == total:
             causes = differences(c, declared, note)
-            largest = float(((P - fit.values(c)).abs() * kept).max())
+            values = fit.values(c)
+            largest = float(((P - values).abs() * kept).max())
             lines = [head, f"every position equals {said}, from your {numbers}"]
             if not causes:
-                lines[1] = "every position is computed as asked from your log-probs, so the differences come from " \
-                           "the log-probs (above)"
+                lines[1] = "every position is computed as asked from your log-probs, so the " \
+                           "differences come from the log-probs (above)"
+            if allowed:
+                lines.append(allowed)
+            sized = own
+            if not (own["student"].full and own["teacher"].full):
+                sized = reference_numbers(ref, rows)
+            with_it = step(config_values(c, sized["student"], sized["teacher"], y))
+            sizes = {}
+            for cause, _ in causes:
+                back = undone(c, cause, declared)
+                sizes[cause] = (with_it, step(config_values(back, sized["student"],
+                                                            sized["teacher"], y)))
+            found = f"the value: {kind_of(c)}, {said}, from your {numbers}: all {total} " \
+                    f"positions within tolerance{zero_note(near_zero(P, values, kept))} " \
+                    f"(largest difference {largest:.1e})"
             return Check(name, "differs", lines, [cause for cause, _ in causes], dict(causes),
-                         f"the value: {kind_of(c)}, {said}, from your {numbers}: all {total} positions within "
-                         f"tolerance (largest difference {largest:.1e})"), peer
-        lines = [head, f"no configuration tried explains your values from your own {numbers} within tolerance"]
+                         found, sizes), peer
+        lines = [head,
+                 f"no configuration tried explains your values from your own {numbers} within "
+                 "tolerance"]
+        if allowed:
+            lines.append(allowed)
         if count >= HINT_SHARE * total and not fit.degenerate(c):
-            lines.append(f"the nearest, {said}, matches {count} of {total} positions ({count / total:.0%})")
-        return Check(name, "differs", lines, [], found="the value: no configuration tried explains it"), peer
-    # no numbers of its own: the reference's, under the declared configuration with the positions shifted or
-    # counted over pads, then every configuration fitted
+            lines.append(f"the nearest, {said}, matches {count} of {total} positions "
+                         f"({count / total:.0%}){zero_note(near_zero(P, fit.values(c), kept))}")
+        return Check(name, "differs", lines, ["value:unexplained"],
+                     found="the value: no configuration tried explains it",
+                     sizes={"value:unexplained": unexplained}), peer
+    # no numbers of its own: the reference's, under the declared configuration with the positions
+    # shifted or counted over pads or the teacher given the student's prompt, then every
+    # configuration fitted
     hypotheses = {"the fixture": (asked, [])}
     for offset in (1, -1):
-        hypotheses[f"positions shifted by {offset:+d}"] = (fixture_values(offset=offset), [f"shift:{offset:+d}"])
+        hypotheses[f"positions shifted by {offset:+d}"] = (fixture_values(offset=offset),
+                                                           [f"shift:{offset:+d}"])
     for sides in (("student",), ("teacher",), SIDES):
         hypotheses[f"position ids counted over the pads ({' and '.join(sides)})"] = (
             fixture_values(padded=sides, size=size), [f"position-ids:{s}" for s in sides])
+    student = reference_numbers(ref, rows)["student"]
+    as_student = config_values(declared._replace(teacher_t=declared.student_t), student, student, y)
+    if bool(close(P, as_student)[kept].all()):  # what a teacher shown the student's prompt gives
+        hypotheses["the teacher given the student's prompt"] = (as_student,
+                                                               ["prompt:teacher=student"])
     shorter = {side: ref.shorter(side, size) for side in SIDES}
+    undo = {}  # {hypothesis: {cause: the values with that cause alone undone}}
 
     def read(hypotheses):  # diagnose's reading, over the positions in the loss
-        errors = {h: {r: e[skip:] for r, e in per_row((P - v).abs()).items()} for h, (v, _) in hypotheses.items()}
-        matched = {h: {r: m[skip:] for r, m in per_row(close(P, v)).items()} for h, (v, _) in hypotheses.items()}
+        errors, matched = {}, {}
+        for h, (v, _) in hypotheses.items():
+            errors[h] = {r: e[skip:] for r, e in per_row((P - v).abs()).items()}
+            matched[h] = {r: m[skip:] for r, m in per_row(close(P, v)).items()}
         return diagnose({h: c for h, (_, c) in hypotheses.items()}, errors, matched,
                         {r: max(0, ref.lengths[r] - skip) for r in rows}, shorter)
 
-    found, causes, explained = read(hypotheses)
+    reading = read(hypotheses)
     notes, identified = {}, None
-    if not explained:
+    if not reading.explained:
         numbers = reference_numbers(ref, rows)
+        numbers["student"].sampler = sampler_of(dump, rows)
         fit = Fit(numbers["student"], numbers["teacher"], y, P, kept, declared, TOL_LOGPROB)
         count, c, note = fit.identify()[0]
         if count > total // 2:  # a majority: the positions it leaves are read by their pattern
@@ -1205,19 +1741,39 @@ def compare_divergence(ref, dump, declared, skip, size, divided=False, own_promp
             label = describe(c)
             trial = dict(hypotheses)
             trial[label] = (fit.values(c), [cause for cause, _ in changes])
-            lines, named, explained = read(trial)
-            if explained:
-                found, causes, notes = lines, named, dict(changes)
-                identified = f"the value: {kind_of(c)}, {label}" + (
-                    f": all {total} positions within tolerance" if count == total else "")
-        if not explained and count >= HINT_SHARE * total and not fit.degenerate(c):
-            found.append(f"the nearest configuration tried, {describe(c)}, matches {count} of {total} positions "
-                         f"({count / total:.0%})")
-    if not explained:
-        found.append("no configuration tried explains your values within tolerance")
+            second = read(trial)
+            if second.explained:
+                reading, hypotheses, notes = second, trial, dict(changes)
+                undo[label] = {cause: fit.values(undone(c, cause, declared))
+                               for cause, _ in changes}
+                identified = f"the value: {kind_of(c)}, {label}"
+                if count == total:
+                    identified += f": all {total} positions within tolerance"
+        if not reading.explained and count >= HINT_SHARE * total and not fit.degenerate(c):
+            reading.lines.append(f"the nearest configuration tried, {describe(c)}, matches {count} "
+                                 f"of {total} positions ({count / total:.0%})")
+    causes = list(reading.causes)
+    if not reading.explained:
+        reading.lines.append("no configuration tried explains your values within tolerance")
         identified = "the value: no configuration tried explains it"
-    return Check(name, "differs", [head, *found[1:]], causes, {c: t for c, t in notes.items() if c in causes and t},
-                 identified), peer
+        causes.append("value:unexplained")
+    best = hypotheses[reading.best][0]
+    sizes = {}
+    for cause in causes:
+        instead = best  # what the positions it explains would be without it
+        if cause in hypotheses[reading.best][1]:
+            instead = undo.get(reading.best, {}).get(cause, asked)
+        at = reading.positions.get(cause)
+        if cause == "value:unexplained":
+            at = reading.positions[None]
+        mask = torch.zeros_like(kept)
+        for r, m in at.items():
+            first = sum(lengths[:rows.index(r)])
+            mask[first + skip:first + lengths[rows.index(r)]] = m
+        sizes[cause] = (step(P), step(torch.where(mask, instead, P)))
+    notes = {c: t for c, t in notes.items() if c in causes and t}
+    return Check(name, "differs", [head, *reading.lines[1:]], causes, notes, identified,
+                 sizes), peer
 
 
 def setting_figures(ref, setting):
@@ -1227,8 +1783,8 @@ def setting_figures(ref, setting):
 
 
 def compare_loss(ref, dump, skip, peer_values, source, expected):
-    """Check: the loss, against the expected one; its normalisation from per-position values `peer_values`
-    ({row: (L,)}, from `source`)."""
+    """Check: the loss, against the expected one; its normalisation from per-position values
+    `peer_values` ({row: (L,)}, from `source`)."""
     name = "loss"
     if dump.loss is None:
         return Check(name, "not checked", ["the dump states no loss"], [])
@@ -1239,17 +1795,21 @@ def compare_loss(ref, dump, skip, peer_values, source, expected):
         ["normalisation:micro-batch"], normalised(values, "micro-batch", size, skip))
     candidates["the mean of answers' token means"] = (["normalisation:answer"],
                                                       normalised(values, "answer", size, skip))
-    candidates["the mean of answers' sums"] = (["normalisation:row"], normalised(values, "row", size, skip))
+    candidates["the mean of answers' sums"] = (["normalisation:row"],
+                                               normalised(values, "row", size, skip))
     candidates["the step's sum"] = (["normalisation:sum"], normalised(values, "sum", size, skip))
     if skip:
-        candidates["the step's token mean over every position"] = (["skip:ignored"],
-                                                                   normalised(values, "step", size, 0))
+        candidates["the step's token mean over every position"] = (
+            ["skip:ignored"], normalised(values, "step", size, 0))
         candidates[f"the sum over positions {skip} on / every position's number"] = (
             ["skip:counted"], normalised(values, "step", size, skip, count_skipped=True))
     rel = lambda a, b: (a - b) / max(abs(b), 1e-30)  # noqa: E731
     hits = [h for h, (_, v) in candidates.items() if abs(rel(dump.loss, v)) <= TOL_LOSS]
-    lines = [f"your loss {dump.loss:.9g}" + (f" ({dump.normalisation})" if dump.normalisation else "")
-             + f"; the expected {expected:.9g} ({rel(dump.loss, expected):+.2e} relative)"]
+    named = ""
+    if dump.normalisation:
+        named = f" ({dump.normalisation})"
+    lines = [f"your loss {dump.loss:.9g}{named}; the expected {expected:.9g} "
+             f"({rel(dump.loss, expected):+.2e} relative)"]
     lines.append(f"from {source}: " + "; ".join(f"{h} {v:.9g}" for h, (_, v) in candidates.items()))
     causes, notes = [], {}
     step = candidates["the step's token mean"][1]
@@ -1257,44 +1817,68 @@ def compare_loss(ref, dump, skip, peer_values, source, expected):
     identified = None
     if len(hits) == 1:
         causes = candidates[hits[0]][0]
-        lines.append(f"your loss is {hits[0]}" + (f" ({rel(dump.loss, step):+.2%} against the step's token mean)"
-                                                  if causes else ""))
-        identified = f"the loss: {hits[0]}, {abs(rel(dump.loss, candidates[hits[0]][1])):.1e} relative from it"
+        line = f"your loss is {hits[0]}"
+        if causes:
+            line += f" ({rel(dump.loss, step):+.2%} against the step's token mean)"
+        lines.append(line)
+        off = abs(rel(dump.loss, candidates[hits[0]][1]))
+        identified = f"the loss: {hits[0]}, {off:.1e} relative from it"
     elif hits:
-        lines.append("your loss equals several of these (they coincide at this setting): " + ", ".join(hits))
+        lines.append("your loss equals several of these (they coincide at this setting): "
+                     + ", ".join(hits))
     elif dump.loss != 0 and total != 0:
         divisor = total / dump.loss
-        lines.append(f"your loss is none of these normalisations of those values: it is the step's sum divided by "
-                     f"{divisor:.6g}")
+        lines.append("your loss is none of these normalisations of those values: it is the step's "
+                     f"sum divided by {divisor:.6g}")
         if source.startswith("your"):
-            causes, notes = ["normalisation:divisor"], {"normalisation:divisor": f"divided by {divisor:.6g}"}
+            causes = ["normalisation:divisor"]
+            notes = {"normalisation:divisor": f"divided by {divisor:.6g}"}
         identified = f"the loss: the step's sum / {divisor:.6g}"
     else:
         lines.append("your loss is none of these normalisations of those values")
     ok = abs(rel(dump.loss, expected)) <= TOL_LOSS
-    return Check(name, "matches" if ok else "differs", lines, causes, notes, identified)
+    sizes = {cause: (dump.loss, step) for cause in causes}  # undone: the step's token mean
+    return Check(name, "matches" if ok else "differs", lines, causes, notes, identified, sizes)
 
 
 def compare_prompts(ref, dump):
-    """Check: the prompt ids the peer dumped, token for token."""
-    lines, causes, dumped = [], [], 0
+    """Check: the prompt ids the peer dumped, token for token; a teacher's ids equal to the
+    student's (the student's dumped, or else the fixture's) are said as such. Where both sides
+    differ, the first rows of each are listed."""
+    lines, causes, dumped = {side: [] for side in SIDES}, [], 0
     for side in SIDES:
         for row, tensors in sorted(dump.rows.items()):
             if f"{side}_prompt_ids" not in tensors:
                 continue
             dumped += 1
-            ours, theirs = ref.rows[row][f"{side}_prompt_ids"], tensors[f"{side}_prompt_ids"].tolist()
-            if ours != theirs:
-                at = next((i for i, (a, b) in enumerate(zip(ours, theirs)) if a != b), min(len(ours), len(theirs)))
-                lines.append(f"row {row}, {side}: {len(theirs)} ids, the fixture's {len(ours)}; the first "
-                             f"difference at token {at} (the fixture's ids {ours[max(0, at - 2):at + 3]}, yours "
-                             f"{theirs[max(0, at - 2):at + 3]})")
+            ours = ref.rows[row][f"{side}_prompt_ids"]
+            theirs = tensors[f"{side}_prompt_ids"].tolist()
+            student = ref.rows[row]["student_prompt_ids"]
+            if "student_prompt_ids" in tensors:
+                student = tensors["student_prompt_ids"].tolist()
+            if side == "teacher" and theirs == student:
+                lines[side].append(f"row {row}, teacher: the student's own {len(theirs)} ids "
+                                   f"(the fixture's teacher has {len(ours)}, with the reference)")
+                causes.append("prompt:teacher=student")
+            elif ours != theirs:
+                at = next((i for i, (a, b) in enumerate(zip(ours, theirs)) if a != b),
+                          min(len(ours), len(theirs)))
+                lines[side].append(f"row {row}, {side}: {len(theirs)} ids, the fixture's "
+                                   f"{len(ours)}; the first difference at token {at} (the "
+                                   f"fixture's ids {ours[max(0, at - 2):at + 3]}, yours "
+                                   f"{theirs[max(0, at - 2):at + 3]})")
                 causes.append(f"prompt:{side}")
     if not dumped:
         return Check("prompts", "not checked", ["the dump holds no prompt ids"], [])
-    if not lines:
-        return Check("prompts", "matches", [f"all {dumped} dumped prompts are the fixture's, token for token"], [])
-    return Check("prompts", "differs", [f"{len(lines)} of {dumped} dumped prompts differ", *lines[:6]],
+    count = sum(len(x) for x in lines.values())
+    if not count:
+        return Check("prompts", "matches",
+                     [f"all {dumped} dumped prompts are the fixture's, token for token"], [])
+    shown = 6
+    if all(lines.values()):
+        shown = 3  # of each side
+    listed = [line for side in SIDES for line in lines[side][:shown]]
+    return Check("prompts", "differs", [f"{count} of {dumped} dumped prompts differ", *listed],
                  list(dict.fromkeys(causes)))
 
 
@@ -1308,98 +1892,146 @@ def compare_batches(dump):
         if missing:
             lines.append(f"micro-batch {k}, {side}: no {', '.join(missing)}")
             continue
-        for cause, sentence in batch_problems(t["input_ids"], t["attention_mask"], t["position_ids"],
+        for cause, sentence in batch_problems(t["input_ids"], t["attention_mask"],
+                                              t["position_ids"],
                                               t["answer_mask"], t.get("scored_mask")):
             lines.append(f"micro-batch {k}, {side}, {sentence}")
             if cause:
                 causes.append(cause if cause.startswith("shift") else f"{cause}:{side}")
     if not lines:
-        return Check("batch", "matches", [f"all {len(dump.batches)} micro-batch inputs (both sides) keep each "
-                                          "row's tokens contiguous, answer token 0 after the prompt's last"], [])
+        return Check("batch", "matches",
+                     [f"all {len(dump.batches)} micro-batch inputs (both sides) keep each row's "
+                      "tokens contiguous, answer token 0 after the prompt's last"], [])
     shown = lines[:8] + ([f"... and {len(lines) - 8} more"] if len(lines) > 8 else [])
-    return Check("batch", "differs", [f"{len(lines)} broken invariants", *shown], list(dict.fromkeys(causes)))
+    return Check("batch", "differs", [f"{len(lines)} broken invariants", *shown],
+                 list(dict.fromkeys(causes)))
 
 
 def declared_config(dump, fixture):
-    """(Config, skip_first_tokens, whether it is a stored setting as stored): the fixture's setting the dump
-    names, with what its metadata declares besides (DECLARABLE)."""
+    """(Config, skip_first_tokens, whether it is a stored setting as stored): the fixture's setting
+    the dump names, with what its metadata declares besides (DECLARABLE)."""
     settings = fixture["settings"]
     if dump.setting is not None and dump.setting not in settings:
-        raise SystemExit(f"verify.py: setting {dump.setting!r} is not one of the fixture's: {', '.join(settings)} "
-                         "(or declare your own: temperature, beta, tau, skip_first_tokens, support).")
+        raise SystemExit(f"verify.py: setting {dump.setting!r} is not one of the fixture's: "
+                         f"{', '.join(settings)} (or declare your own: temperature, beta, tau, "
+                         "skip_first_tokens, support, form).")
     if dump.clip not in CLIPS:
-        raise SystemExit(f"verify.py: clip {dump.clip!r} is not one of {', '.join(CLIPS)} "
-                         "(a peer without a clip compares with 'none').")
-    setting = {"skip_first_tokens": 0, "support": "full"}
+        raise SystemExit(f"verify.py: clip {dump.clip!r} is not one of {', '.join(CLIPS)} (a peer "
+                         "without a clip compares with 'none').")
+    setting = {"skip_first_tokens": 0, "support": "full", "beta": 0.0}
     if dump.setting is not None:
         setting.update(settings[dump.setting])
     stored = not dump.declared
     setting.update(dump.declared)
     if "tau" not in setting and dump.clip != "none":
-        raise SystemExit("verify.py: the dump's clip acts at a tau its metadata does not give: declare 'tau'.")
-    for key, ok, rule in (("temperature", lambda v: v > 0, "above 0"), ("beta", lambda v: 0 <= v <= 1,
-                          "from 0 to 1"), ("tau", lambda v: v > 0, "above 0"),
-                          ("skip_first_tokens", lambda v: v >= 0, "0 or more")):
+        raise SystemExit("verify.py: the dump's clip acts at a tau its metadata does not give: "
+                         "declare 'tau'.")
+    rules = (("temperature", lambda v: v > 0, "above 0"), ("beta", lambda v: 0 <= v <= 1,
+             "from 0 to 1"), ("tau", lambda v: v > 0, "above 0"),
+             ("skip_first_tokens", lambda v: v >= 0, "0 or more"))
+    for key, ok, rule in rules:
         if key in setting and not ok(setting[key]):
             raise SystemExit(f"verify.py: the dump's {key} is {setting[key]}; it must be {rule}.")
     support = parse_support(setting["support"])
+    if "form" in setting and support["support"] == "sampled-token":
+        raise SystemExit("verify.py: the dump declares a form and a sampled-token support: the "
+                         "sampled token's form is the support's (sampled-token:FORM); leave 'form' "
+                         "out.")
+    form = {}
+    if "form" in setting:
+        form = parse_form(setting["form"])
     T = setting["temperature"]
-    return Config(T, T, setting["beta"], dump.clip, setting.get("tau", 0.05), **support), \
-        setting["skip_first_tokens"], stored
+    c = Config(T, T, setting["beta"], dump.clip, setting.get("tau", 0.05), **{**support, **form})
+    return c, setting["skip_first_tokens"], stored
+
+
+def computable(c, numbers):
+    """Whether configuration c's values can be computed from these {side: Numbers}."""
+    if numbers["student"].full and numbers["teacher"].full:
+        return True
+    if c.support == "sampled-token":
+        return True
+    sparse = numbers["student"].sparse and numbers["teacher"].sparse
+    return sparse and c.support == "top-k" and c.by == "teacher" \
+        and c.k <= numbers["teacher"].ids.shape[-1]
 
 
 def verify(dump, ref):
-    """[Check] of a Dump against a Reference, in the order they are best read."""
+    """[Check] of a Dump against a Reference, in the order they are best read; each cause's size
+    given with the expected loss: {cause: (with it, undone, expected)}."""
     declared, skip, stored = declared_config(dump, ref.fixture)
     size = dump.micro_batch_size or ref.micro_batch_size
-    checks = [compare_batches(dump), compare_prompts(ref, dump)]
-    theirs = {side: {r: t[f"{side}_prompt_ids"].tolist() for r, t in dump.rows.items()
-                     if f"{side}_prompt_ids" in t and r < len(ref.rows)
-                     and t[f"{side}_prompt_ids"].tolist() != ref.rows[r][f"{side}_prompt_ids"]} for side in SIDES}
-    peer_ref = ref.with_prompts(theirs)  # what else differs is read with the peer's own prompts
-    divided, inferred = logits_form(peer_ref, dump, declared.student_t)
-    sides = [compare_side(peer_ref, dump, side, declared, size, divided, inferred, bool(theirs[side]))
-             for side in SIDES]
-    if all("logits:divided" in c.causes for c in sides):  # the dump says raw; both sides show them divided
-        divided = True
-    checks += sides
-    divergence_check, values = compare_divergence(peer_ref, dump, declared, skip, size, divided,
-                                                  any(theirs.values()))
     rows = list(range(len(ref.rows)))
-    numbers = reference_numbers(ref, rows)
     y = torch.cat([torch.tensor(r["completion_ids"]) for r in ref.rows])
     lengths = ref.lengths
+
+    def step_loss(reference):  # the declared loss from a reference's numbers
+        numbers = reference_numbers(reference, rows)
+        numbers["student"].sampler = sampler_of(dump, rows)
+        asked = config_values(declared, numbers["student"], numbers["teacher"], y)
+        return normalised(list(asked.split(lengths)), "step", size, skip)
+
     if stored and dump.setting is not None:
         expected = ref.fixture["expected"][dump.setting][dump.clip]["loss"]
     else:
-        asked = config_values(declared, numbers["student"], numbers["teacher"], y)
-        expected = normalised(list(asked.split(lengths)), "step", size, skip)
+        expected = step_loss(ref)
+    prompts = compare_prompts(ref, dump)
+    checks = [compare_batches(dump), prompts]
+    theirs = {side: {r: t[f"{side}_prompt_ids"].tolist() for r, t in dump.rows.items()
+                     if f"{side}_prompt_ids" in t and r < len(ref.rows)
+                     and t[f"{side}_prompt_ids"].tolist() != ref.rows[r][f"{side}_prompt_ids"]}
+              for side in SIDES}
+    peer_ref = ref.with_prompts(theirs)  # what else differs is read with the peer's own prompts
+    if prompts.causes:
+        with_it = step_loss(peer_ref)
+        sizes = {}
+        for cause in prompts.causes:
+            side = "teacher"
+            if cause == "prompt:student":
+                side = "student"
+            rest = {s: changed for s, changed in theirs.items() if s != side}
+            sizes[cause] = (with_it, step_loss(ref.with_prompts(rest)))
+        checks[1] = prompts._replace(sizes=sizes)
+    divided, inferred = logits_form(peer_ref, dump, declared.student_t)
+    sides = [compare_side(peer_ref, dump, side, declared, size, divided, inferred,
+                          bool(theirs[side]), skip) for side in SIDES]
+    if all("logits:divided" in c.causes for c in sides):
+        divided = True  # the dump says raw; both sides show them divided
+    checks += sides
+    divergence_check, values = compare_divergence(peer_ref, dump, declared, skip, size, divided,
+                                                  any(theirs.values()))
     source = "your per-position divergences"
     if values is None or len(values) != len(ref.rows):
         own = None
         if len(dump.rows) == len(ref.rows):
             own = own_numbers(dump, rows, divided)
         source = "your log-probs' values"
-        if own is None:
+        if own is None or not computable(declared, own):
             own, source = reference_numbers(peer_ref, rows), "the reference's per-position values"
-        values = dict(enumerate(config_values(declared, own["student"], own["teacher"], y).split(lengths)))
+            own["student"].sampler = sampler_of(dump, rows)
+        values = dict(enumerate(config_values(declared, own["student"], own["teacher"],
+                                              y).split(lengths)))
     checks += [divergence_check, compare_loss(ref, dump, skip, values, source, expected)]
+    checks = [c._replace(sizes={cause: (*pair, expected) for cause, pair in c.sizes.items()})
+              for c in checks]
     return rule_out(checks, ruled_out(dump, ref, size))
 
 
 def ruled_out(dump, ref, size):
-    """{cause: the check that rules it out}: a side's prompt, when every row's prompt ids on that side were dumped
-    and are the fixture's; a side's pad-predicted first position and pad-counted position ids, when every
-    micro-batch of that side was dumped and keeps the batch's invariants."""
+    """{cause: the check that rules it out}: a side's prompt, when every row's prompt ids on that
+    side were dumped and are the fixture's; a side's pad-predicted first position and pad-counted
+    position ids, when every micro-batch of that side was dumped and keeps the batch's
+    invariants."""
     out = {}
     for side in SIDES:
-        if all(f"{side}_prompt_ids" in dump.rows.get(r, {}) and dump.rows[r][f"{side}_prompt_ids"].tolist()
+        if all(f"{side}_prompt_ids" in dump.rows.get(r, {})
+               and dump.rows[r][f"{side}_prompt_ids"].tolist()
                == ref.rows[r][f"{side}_prompt_ids"] for r in range(len(ref.rows))):
             out[f"prompt:{side}"] = "prompts"
         batches = [dump.batches.get((k, side)) for k in range(-(-len(ref.rows) // size))]
         if all(b is not None and all(n in b for n in BATCH_TENSORS[:4]) and not batch_problems(
-                b["input_ids"], b["attention_mask"], b["position_ids"], b["answer_mask"], b.get("scored_mask"))
-               for b in batches):
+                b["input_ids"], b["attention_mask"], b["position_ids"], b["answer_mask"],
+                b.get("scored_mask")) for b in batches):
             out.update({f"{kind}:{side}": "batch" for kind in ("pad-first", "position-ids")})
     if all(f"pad-first:{side}" in out for side in SIDES):
         out.update({"pad-first:either": "batch", "position-ids:either": "batch"})
@@ -1407,15 +2039,16 @@ def ruled_out(dump, ref, size):
 
 
 def rule_out(checks, ruled):
-    """The checks with every cause in `ruled` taken out of their causes, a line saying so in its place: no cause
-    is named that a check which matched contradicts."""
+    """The checks with every cause in `ruled` taken out of their causes, a line saying so in its
+    place: no cause is named that a check which matched contradicts."""
     out = []
     for c in checks:
         gone = [cause for cause in c.causes if cause in ruled]
         if gone:
             c = c._replace(causes=[cause for cause in c.causes if cause not in ruled],
-                           lines=c.lines + [f"not named: {cause}, which the {ruled[cause]} check (matched) rules "
-                                            "out" for cause in gone])
+                           lines=c.lines
+                           + [f"not named: {cause}, which the {ruled[cause]} check (matched) rules "
+                              "out" for cause in gone])
         out.append(c)
     return out
 
@@ -1424,11 +2057,26 @@ def causes_of(checks):
     return list(dict.fromkeys(c for check in checks for c in check.causes))
 
 
+def size_of(with_it, without, expected):
+    """(the size causes are ordered by, its words): how far one departure moves the loss, against
+    the expected loss."""
+    scale = max(abs(expected), 1e-12)
+    moved = (with_it - without) / scale
+    change = f"by {moved:+.2%} of the expected"
+    if with_it * without > 0 and with_it / without >= 1.5:
+        change = f"x{with_it / without:.3g}"
+    words = f"it moves the loss {change}; undone alone, the loss would be {without:.6g} " \
+            f"({(without - expected) / scale:+.2%} from the expected {expected:.6g})"
+    return abs(moved), words
+
+
 def report(checks, dump, path):
     setting = dump.setting or "your own"
     declared = ", ".join(f"{k} {v}" for k, v in dump.declared.items())
-    out = [f"verify.py: {path}: setting {setting}" + (f" ({declared})" if declared else "") +
-           f", clip {dump.clip}, {len(dump.rows)} rows"]
+    head = f"verify.py: {path}: setting {setting}"
+    if declared:
+        head += f" ({declared})"
+    out = [head + f", clip {dump.clip}, {len(dump.rows)} rows"]
     for check in checks:
         out.append(f"[{check.status}] {check.name}: {check.lines[0]}")
         out += [f"    {line}" for line in check.lines[1:]]
@@ -1438,9 +2086,20 @@ def report(checks, dump, path):
         out += [f"  - {line}" for line in found]
     causes = causes_of(checks)
     if causes:
-        out.append("Likely causes (where you differ from the declared definition):")
+        out.append("Likely causes (where you differ from the declared definition), the largest "
+                   "effect on the loss first:")
         notes = {c: n for check in checks for c, n in check.notes.items()}
-        out += [f"  - {c}: {CAUSES[c]}" + (f" ({notes[c]})" if notes.get(c) else "") for c in causes]
+        sizes = {}
+        for check in checks:
+            for cause, size in check.sizes.items():
+                sizes.setdefault(cause, size_of(*size))
+        unmeasured = (-1.0, "its size is not measured: the dump holds no numbers it acts on")
+        causes.sort(key=lambda c: -sizes.get(c, unmeasured)[0])
+        for c in causes:
+            line = f"  - {c}: {CAUSES[c]}"
+            if notes.get(c):
+                line += f" ({notes[c]})"
+            out += [line, f"      {sizes.get(c, unmeasured)[1]}"]
     elif any(c.status == "differs" for c in checks):
         out.append("No cause is identified by the numbers: see the differences above.")
     else:
