@@ -94,6 +94,16 @@ def test_a_cpu_build_of_torch_on_a_gpu_machine_is_refused_before_anything_loads(
     assert seconds < 15 and not (tmp_path / "out").exists()  # before the output directory, let alone an engine
 
 
+def as_at_a_terminal():
+    """In the child, before eval.py starts: Ctrl-C's signal handled and not blocked, as a shell starts a command.
+    A child inherits both from this process, where earlier tests of the suite may have left them otherwise, and
+    Python installs its KeyboardInterrupt only where SIGINT is not ignored."""
+    import signal
+
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
+
+
 def test_ctrl_c_says_what_was_kept_and_the_command_that_continues(tiny_model_dir, tmp_path):
     import shlex
     import signal
@@ -107,7 +117,7 @@ def test_ctrl_c_says_what_was_kept_and_the_command_that_continues(tiny_model_dir
     clean = {k: v for k, v in os.environ.items() if not k.startswith(("VLLM_", "HF_"))}
     proc = subprocess.Popen([sys.executable, str(ROOT / "eval.py"), *argv], stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, cwd=ROOT, start_new_session=True,
-                            env={**clean, "VLLM_ENABLE_V1_MULTIPROCESSING": "0"})
+                            env={**clean, "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}, preexec_fn=as_at_a_terminal)
     deadline = time.monotonic() + 300
     while not (tmp_path / "config.json").exists() and proc.poll() is None and time.monotonic() < deadline:
         time.sleep(0.05)
