@@ -99,8 +99,8 @@ def student_message(problem, prompt="recipe"):
 
 def teacher_message(problem, context):
     """The problem, the privileged context (a reference solution), the transition. Without a
-    context (--teacher-context none), the student's message: the transition speaks of the
-    reference, so it goes with it."""
+    context (--teacher-context none), the recipe's student message, whatever --student-prompt
+    is: the transition speaks of the reference, so it goes with it."""
     if context is None:
         return student_message(problem)
     return (
@@ -436,8 +436,8 @@ def clipped_divergence(log_s, log_t, *, beta, clip, tau):
 
 
 def plain_loss(
-        student_logits, teacher_logits, num_tokens, *, beta=0.0, temperature=1.0,
-        clip="entry", tau=0.05):
+        student_logits, teacher_logits, num_tokens, *, temperature, beta=0.0, clip="entry",
+        tau=0.05):
     """A micro-batch's loss, plainly: the scored positions' logits (N, V) each, the
     divergence at each, summed, / the step's token count; autograd gives the gradient.
     opsd_loss computes the same without holding N x V logits."""
@@ -493,8 +493,8 @@ def join_stats(stats):
 
 def opsd_loss(
         student_hidden, student_scored, teacher_hidden, teacher_scored, lm_head_weight,
-        num_tokens, targets=None, *, loss_positions=None, beta=0.0, temperature=1.0,
-        clip="entry", tau=0.05, chunk_size=256):
+        num_tokens, targets=None, *, temperature, loss_positions=None, beta=0.0, clip="entry",
+        tau=0.05, chunk_size=256):
     """(loss, stats) of one micro-batch: plain_loss's value and gradient over the
     positions in the loss, in chunks.
 
