@@ -9,7 +9,7 @@ also sees a reference solution. Each optimizer step:
   2. the teacher (by default the base model: LoRA off) scores that answer;
   3. at every answer position, the student's next-token distribution is pulled towards
      the teacher's with a full-vocabulary KL; only LoRA weights train;
-  4. the merged LoRA weights are pushed into the running vLLM engine, in place.
+  4. the merged LoRA weights are pushed into the running vLLM engine, in place, and read back.
 
 Departures from the released recipe: README.md. Below: the helpers the method calls;
 Part 1, the method; Part 2, the run; Part 3, the guards.
@@ -253,7 +253,7 @@ def merged_weights(model):
         yield f"{name}.weight", m.merged_weight()
 
 
-# -- Rollout: one vLLM engine per rank; weights pushed in place
+# -- Rollout: one vLLM engine per rank; weights pushed in place, and read back
 
 # vLLM on a CPU: eager; no chunked prefill (it rewinds a seeded CPU generator)
 CPU_ENGINE = {"enforce_eager": True, "enable_chunked_prefill": False}
@@ -307,11 +307,49 @@ def sample(llm, prompts, seeds, args):
 
 def push_weights(llm, model):
     """The merged LoRA weights into the running engine, in place; its prefix cache
-    (of the old weights) dropped."""
+    (of the old weights) dropped. check_push, below, reads them back."""
     # all seven projections: vLLM stacks q/k/v and gate/up itself
     weights = {"weights_iterator": merged_weights(model), "is_checkpoint_format": True}
     llm.collective_rpc("reload_weights", kwargs=weights)
     llm.reset_prefix_cache()
+
+
+def fingerprint(weight):
+    """Exact: a weight's bits' plain, squared and position-weighted sums in wrapping int64,
+    which no summation order changes."""
+    # + 0.0 turns -0.0 into 0.0, as the engine's read-back (a sum of products) may
+    bits = (weight.detach() + 0.0).contiguous()
+    bits = bits.view(getattr(torch, f"int{8 * weight.element_size()}")).flatten().long()
+    position = torch.arange(1, bits.numel() + 1, device=bits.device)
+    sums = (bits.sum(), (bits * bits).sum(), (bits * position).sum())
+    return tuple(int(s) for s in sums)
+
+
+@torch.no_grad()
+def engine_fingerprints(model):
+    """In vLLM's worker: each linear layer's fingerprint, read through the GEMM sampling uses
+    (on a CPU the weight lives only in a repacked kernel handle) applied to the identity:
+    I W^T = W^T exactly. Stacked layers (qkv_proj, gate_up_proj) are split back."""
+    from vllm.model_executor.layers.linear import LinearBase
+    stacked = getattr(model, "packed_modules_mapping", {})
+    prints = {}
+    for name, m in model.named_modules():
+        if isinstance(m, LinearBase):
+            eye = torch.eye(m.input_size_per_partition).to(m.weight)
+            parts = m.quant_method.apply(m, eye).t().split(m.output_partition_sizes)
+            parent, _, short = name.rpartition(".")
+            for part_name, part in zip(stacked.get(short, [short]), parts):
+                prints[f"{parent}.{part_name}.weight"] = fingerprint(part)
+    return prints
+
+
+def check_push(llm, model):
+    """Each LoRA layer merged again, compared bit for bit with the engine's weights."""
+    engine = llm.apply_model(engine_fingerprints)[0]
+    for name, m in lora_layers(model).items():
+        if engine.get(f"{name}.weight") != fingerprint(m.merged_weight()):
+            fail(f"the weight push failed: vLLM's {name} does not hold the merged weights "
+                 "sent to it (is vllm the version requirements.txt pins?).")
 
 
 def stop_engine(llm):
@@ -1448,46 +1486,7 @@ def check_logits_path(model):
     return None
 
 
-# -- While it runs: the push read back; no non-finite update
-
-def fingerprint(weight):
-    """Exact: a weight's bits' plain, squared and position-weighted sums in wrapping int64,
-    which no summation order changes."""
-    # + 0.0 turns -0.0 into 0.0, as the engine's read-back (a sum of products) may
-    bits = (weight.detach() + 0.0).contiguous()
-    bits = bits.view(getattr(torch, f"int{8 * weight.element_size()}")).flatten().long()
-    position = torch.arange(1, bits.numel() + 1, device=bits.device)
-    sums = (bits.sum(), (bits * bits).sum(), (bits * position).sum())
-    return tuple(int(s) for s in sums)
-
-
-@torch.no_grad()
-def engine_fingerprints(model):
-    """In vLLM's worker: each linear layer's fingerprint, read through the GEMM sampling uses
-    (on a CPU the weight lives only in a repacked kernel handle) applied to the identity:
-    I W^T = W^T exactly. Stacked layers (qkv_proj, gate_up_proj) are split back."""
-    from vllm.model_executor.layers.linear import LinearBase
-    stacked = getattr(model, "packed_modules_mapping", {})
-    prints = {}
-    for name, m in model.named_modules():
-        if isinstance(m, LinearBase):
-            eye = torch.eye(m.input_size_per_partition).to(m.weight)
-
-            parts = m.quant_method.apply(m, eye).t().split(m.output_partition_sizes)
-            parent, _, short = name.rpartition(".")
-            for part_name, part in zip(stacked.get(short, [short]), parts):
-                prints[f"{parent}.{part_name}.weight"] = fingerprint(part)
-    return prints
-
-
-def check_push(llm, model):
-    """Each LoRA layer merged again, compared bit for bit with the engine's weights."""
-    engine = llm.apply_model(engine_fingerprints)[0]
-    for name, m in lora_layers(model).items():
-        if engine.get(f"{name}.weight") != fingerprint(m.merged_weight()):
-            fail(f"the weight push failed: vLLM's {name} does not hold the merged weights "
-                 "sent to it (is vllm the version requirements.txt pins?).")
-
+# -- While it runs: no non-finite update
 
 def check_finite(step, loss, grad_norm):
     if not (math.isfinite(loss) and math.isfinite(grad_norm)):
