@@ -622,7 +622,8 @@ def backward_step(
     """(the step's loss, PositionStats of this rank's answer positions in order); the
     gradient, summed over ranks, in the LoRA parameters' .grad. Each micro-batch's
     loss is divided by the step's token count over micro-batches and ranks (less
-    `skip_first_tokens` per answer): one big batch's gradient."""
+    `skip_first_tokens` per answer): one big batch's gradient. `loss_kw` goes to opsd_loss:
+    its temperature, clip, tau, beta and chunk_size."""
     device = lora_params[0].device
     lm_head = model.get_output_embeddings().weight  # (V, H), frozen
     loss_tokens = sum(max(0, len(c) - skip_first_tokens) for c in completions)
