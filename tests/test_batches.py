@@ -79,6 +79,24 @@ def test_student_and_teacher_batches_score_the_same_tokens():
     assert torch.equal(s_inputs["input_ids"][s_mask], t_inputs["input_ids"][t_mask])
 
 
+def test_the_shift_of_scored_positions_docstring_example():
+    """scored_positions's worked example, by hand: the student's row [5, 17, 230 | 31, 32, 2] is scored at
+    outputs 2, 3, 4, the teacher's [5, 17, 230, 88, 9 | 31, 32, 2] at 4, 5, 6; a second, shorter answer
+    beside it pairs by its place in the answer, not by column; --skip-first-tokens 1 leaves each a_0 out."""
+    s_inputs, s_answer = opsd.build_batch([[5, 17, 230], [8]], [[31, 32, 2], [40, 41]], PAD, "cpu")
+    t_inputs, t_answer = opsd.build_batch([[5, 17, 230, 88, 9], [8, 77]], [[31, 32, 2], [40, 41]],
+                                          PAD, "cpu")
+    s_scored, t_scored, targets, in_loss = opsd.scored_positions(s_answer, t_answer,
+                                                                 s_inputs["input_ids"], 1)
+    assert s_scored.nonzero().tolist() == [[0, 2], [0, 3], [0, 4], [1, 0], [1, 1]]
+    assert t_scored.nonzero().tolist() == [[0, 4], [0, 5], [0, 6], [1, 1], [1, 2]]
+    assert targets.tolist() == [31, 32, 2, 40, 41]
+    assert in_loss.tolist() == [False, True, True, False, True]
+    # each scored output's next token, on each side, is the target it is paired with
+    assert s_inputs["input_ids"][:, 1:][s_scored[:, :-1]].tolist() == targets.tolist()
+    assert t_inputs["input_ids"][:, 1:][t_scored[:, :-1]].tolist() == targets.tolist()
+
+
 # A stand-in for the CUDA attention kernels that return NaN for a query row whose mask allows no key (PyTorch's CPU
 # SDPA returns 0 there): SDPA's result, with such rows set to NaN. Registered with transformers under its own name.
 def nan_on_rows_without_key(module, query, key, value, attention_mask, **kwargs):
