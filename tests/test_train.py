@@ -234,7 +234,8 @@ def test_a_kill_of_one_rank_ends_the_other_in_one_line_and_the_run_resumes_to_th
 def test_checkpoint_holds_what_a_resume_needs_and_restoring_leaves_the_rng_alone(entry_run, tiny_model_dir):
     out, _ = entry_run
     state = torch.load(out / "checkpoint-2" / "trainer_state.pt", weights_only=True)
-    assert set(state) == {"step", "optimizer", "kl_window"} and state["step"] == 2
+    assert set(state) == {"step", "optimizer", "kl_window", "format"} and state["step"] == 2
+    assert state["format"] == opsd.CHECKPOINT_FORMAT
     recorded = json.loads((out / "args.json").read_text())  # the flags and the run's contents, recorded once
     assert set(recorded) - set(vars(opsd.parse_args([]))) == {"prompt_ids_sha256", "model_sha256", "device_type"}
     assert recorded["device_type"] == "cpu" and recorded["clip"] == "entry" and recorded["model_sha256"]
