@@ -9,7 +9,7 @@ also sees a reference solution. Each optimizer step:
   2. the teacher (by default the base model: LoRA off) scores that answer;
   3. at every answer position, the student's next-token distribution is pulled towards
      the teacher's with a full-vocabulary KL; only LoRA weights train;
-  4. the merged LoRA weights are pushed into the running vLLM engine, in place.
+  4. the merged LoRA weights are pushed into the running vLLM engine, in place, and read back.
 
 Departures from the released recipe: README.md. Below: the helpers the method calls;
 Part 1, the method; Part 2, the run; Part 3, the guards.
@@ -99,8 +99,8 @@ def student_message(problem, prompt="recipe"):
 
 def teacher_message(problem, context):
     """The problem, the privileged context (a reference solution), the transition. Without a
-    context (--teacher-context none), the student's message: the transition speaks of the
-    reference, so it goes with it."""
+    context (--teacher-context none), the recipe's student message, whatever --student-prompt
+    is: the transition speaks of the reference, so it goes with it."""
     if context is None:
         return student_message(problem)
     return (
@@ -253,7 +253,7 @@ def merged_weights(model):
         yield f"{name}.weight", m.merged_weight()
 
 
-# -- Rollout: one vLLM engine per rank; weights pushed in place
+# -- Rollout: one vLLM engine per rank; weights pushed in place, and read back
 
 # vLLM on a CPU: eager; no chunked prefill (it rewinds a seeded CPU generator)
 CPU_ENGINE = {"enforce_eager": True, "enable_chunked_prefill": False}
@@ -307,11 +307,49 @@ def sample(llm, prompts, seeds, args):
 
 def push_weights(llm, model):
     """The merged LoRA weights into the running engine, in place; its prefix cache
-    (of the old weights) dropped."""
+    (of the old weights) dropped. check_push, below, reads them back."""
     # all seven projections: vLLM stacks q/k/v and gate/up itself
     weights = {"weights_iterator": merged_weights(model), "is_checkpoint_format": True}
     llm.collective_rpc("reload_weights", kwargs=weights)
     llm.reset_prefix_cache()
+
+
+def fingerprint(weight):
+    """Exact: a weight's bits' plain, squared and position-weighted sums in wrapping int64,
+    which no summation order changes."""
+    # + 0.0 turns -0.0 into 0.0, as the engine's read-back (a sum of products) may
+    bits = (weight.detach() + 0.0).contiguous()
+    bits = bits.view(getattr(torch, f"int{8 * weight.element_size()}")).flatten().long()
+    position = torch.arange(1, bits.numel() + 1, device=bits.device)
+    sums = (bits.sum(), (bits * bits).sum(), (bits * position).sum())
+    return tuple(int(s) for s in sums)
+
+
+@torch.no_grad()
+def engine_fingerprints(model):
+    """In vLLM's worker: each linear layer's fingerprint, read through the GEMM sampling uses
+    (on a CPU the weight lives only in a repacked kernel handle) applied to the identity:
+    I W^T = W^T exactly. Stacked layers (qkv_proj, gate_up_proj) are split back."""
+    from vllm.model_executor.layers.linear import LinearBase
+    stacked = getattr(model, "packed_modules_mapping", {})
+    prints = {}
+    for name, m in model.named_modules():
+        if isinstance(m, LinearBase):
+            eye = torch.eye(m.input_size_per_partition).to(m.weight)
+            parts = m.quant_method.apply(m, eye).t().split(m.output_partition_sizes)
+            parent, _, short = name.rpartition(".")
+            for part_name, part in zip(stacked.get(short, [short]), parts):
+                prints[f"{parent}.{part_name}.weight"] = fingerprint(part)
+    return prints
+
+
+def check_push(llm, model):
+    """Each LoRA layer merged again, compared bit for bit with the engine's weights."""
+    engine = llm.apply_model(engine_fingerprints)[0]
+    for name, m in lora_layers(model).items():
+        if engine.get(f"{name}.weight") != fingerprint(m.merged_weight()):
+            fail(f"the weight push failed: vLLM's {name} does not hold the merged weights "
+                 "sent to it (is vllm the version requirements.txt pins?).")
 
 
 def stop_engine(llm):
@@ -370,17 +408,16 @@ def ema_update(ema, lora_params, decay):
     return ema
 
 
-# -- The loss: the batch, a position's divergence, a micro-batch's loss (plain, then
-# in chunks), a step over micro-batches and ranks, the logged KL
+# -- The loss: the batch and its shift by one, the forward, a position's divergence, a
+# micro-batch's loss (plain, then in chunks), a step over micro-batches and ranks, the
+# logged KL
 
 def build_batch(prompts, completions, pad_id, device):
     """Model inputs of one micro-batch, and the mask of answer tokens (B, T).
 
     Each row is [prompt | completion | pads]; positions come from the attention mask,
     so each answer token sits where vLLM sampled it. Pads go last: some CUDA attention
-    kernels give NaN for a left pad's all-masked query row, which spreads (0 x NaN).
-    The mask selects answer tokens row after row: the student's and the teacher's
-    batches select the same tokens in the same order."""
+    kernels give NaN for a left pad's all-masked query row, which spreads (0 x NaN)."""
     B = len(prompts)
     T = max(len(p) + len(c) for p, c in zip(prompts, completions))
     input_ids = torch.full((B, T), pad_id, dtype=torch.long)
@@ -397,6 +434,39 @@ def build_batch(prompts, completions, pad_id, device):
         "input_ids": input_ids, "attention_mask": attention_mask, "position_ids": position_ids}
     inputs = {name: x.to(device) for name, x in inputs.items()}
     return inputs, completion_mask.to(device)
+
+
+def scored_positions(student_answer, teacher_answer, input_ids, skip_first_tokens):
+    """The shift by one, decided here only, and the pairing of the two sides. From
+    build_batch's answer masks: the student's and the teacher's masks of the outputs that
+    score an answer token, (B, T_s) and (B, T_t); the answer tokens they predict (N,); and
+    which of them are in the loss (N,).
+
+    Output t (the final hidden state of token t) predicts token t + 1. In a row with a
+    prompt of P tokens and an answer a_0 .. a_{L-1} at columns P .. P + L - 1, output
+    P - 1 (the prompt's last token's) scores a_0, output P - 1 + j scores a_j, and the
+    last output scored, P + L - 2, predicts a_{L-1} (the EOS, when sampled); output
+    P + L - 1 predicts past the answer and scores nothing. E.g. the student's row
+    [5, 17, 230 | 31, 32, 2]: outputs 2, 3 and 4 score 31, 32 and 2, output 5 nothing.
+    The teacher's prompt is longer: in its row [5, 17, 230, 88, 9 | 31, 32, 2], outputs
+    4, 5 and 6 score them. The sides pair by row and by j, never by column."""
+    # Each mask moves one column left and gains a last column of False: still (B, T), its
+    # column t marks output t where token t + 1 is an answer token, and the hidden states
+    # need no slicing.
+    student_scored = F.pad(student_answer[:, 1:], (0, 1))  # (B, T_s)
+    teacher_scored = F.pad(teacher_answer[:, 1:], (0, 1))  # (B, T_t)
+    # Boolean indexing lists a mask's positions row by row, each row left to right. Row r
+    # of both batches holds the same answer, so both masks list a_0 .. a_{L-1}'s outputs
+    # of row r, in order, after row r - 1's: position n is the same (row, j) on both
+    # sides, and in the targets and in_loss below, taken from the same answer mask.
+    targets = input_ids[student_answer]  # (N,) a_j
+    j = (student_answer.cumsum(-1) - 1)[student_answer]  # (N,) each token's place in its answer
+    return student_scored, teacher_scored, targets, j >= skip_first_tokens
+
+
+def final_hidden(model, inputs):
+    """(B, T, H) hidden states after the final norm: the loss makes the logits."""
+    return model.base_model(**inputs, use_cache=False).last_hidden_state
 
 
 def log_probs(student_logits, teacher_logits, temperature):
@@ -436,19 +506,14 @@ def clipped_divergence(log_s, log_t, *, beta, clip, tau):
 
 
 def plain_loss(
-        student_logits, teacher_logits, num_tokens, *, beta=0.0, temperature=1.0,
-        clip="entry", tau=0.05):
+        student_logits, teacher_logits, num_tokens, *, temperature, beta=0.0, clip="entry",
+        tau=0.05):
     """A micro-batch's loss, plainly: the scored positions' logits (N, V) each, the
     divergence at each, summed, / the step's token count; autograd gives the gradient.
     opsd_loss computes the same without holding N x V logits."""
     log_s, log_t = log_probs(student_logits, teacher_logits, temperature)
     k = clipped_divergence(log_s, log_t, beta=beta, clip=clip, tau=tau)  # (N,)
     return k.sum() / num_tokens
-
-
-def final_hidden(model, inputs):
-    """(B, T, H) hidden states after the final norm: the loss makes the logits."""
-    return model.base_model(**inputs, use_cache=False).last_hidden_state
 
 
 class PositionStats(NamedTuple):
@@ -493,21 +558,18 @@ def join_stats(stats):
 
 def opsd_loss(
         student_hidden, student_scored, teacher_hidden, teacher_scored, lm_head_weight,
-        num_tokens, targets=None, *, loss_positions=None, beta=0.0, temperature=1.0,
-        clip="entry", tau=0.05, chunk_size=256):
+        num_tokens, targets=None, *, temperature, loss_positions=None, beta=0.0, clip="entry",
+        tau=0.05, chunk_size=256):
     """(loss, stats) of one micro-batch: plain_loss's value and gradient over the
     positions in the loss, in chunks.
 
     Hidden states come before the frozen lm_head, the student's (B, T_s, H) with its mask
-    (B, T_s), the teacher's (B, T_t, H) with (B, T_t); each mask selects the N positions
-    that predict an answer token. backward_step passes them shifted by one: T_s and T_t are
-    its batches' lengths less one. loss = the sum of the N loss terms / num_tokens, the
-    step's count over micro-batches and ranks. `loss_positions` (N,) is 0 where
+    (B, T_s), the teacher's (B, T_t, H) with (B, T_t): scored_positions's masks, which
+    select the N outputs that predict an answer token, paired. loss = the sum of the N loss
+    terms / num_tokens, the step's count over micro-batches and ranks. `temperature` is the
+    loss's T, the caller's to give (the recipe's is 1.1). `loss_positions` (N,) is 0 where
     --skip-first-tokens leaves a position out; `targets` (N,), the sampled tokens, asks
     for `stats`, the PositionStats of all N positions."""
-    # Boolean indexing takes a mask's positions row by row, each row left to right; both
-    # masks select the same answers in the same rows, so row n of hs and of ht predict the
-    # same answer token.
     hs = student_hidden[student_scored]  # (N, H)
     ht = teacher_hidden[teacher_scored].detach()  # (N, H)
     N = hs.shape[0]
@@ -560,7 +622,8 @@ def backward_step(
     """(the step's loss, PositionStats of this rank's answer positions in order); the
     gradient, summed over ranks, in the LoRA parameters' .grad. Each micro-batch's
     loss is divided by the step's token count over micro-batches and ranks (less
-    `skip_first_tokens` per answer): one big batch's gradient."""
+    `skip_first_tokens` per answer): one big batch's gradient. `loss_kw` goes to opsd_loss:
+    its temperature, clip, tau, beta and chunk_size."""
     device = lora_params[0].device
     lm_head = model.get_output_embeddings().weight  # (V, H), frozen
     loss_tokens = sum(max(0, len(c) - skip_first_tokens) for c in completions)
@@ -574,22 +637,14 @@ def backward_step(
             student_prompts[rows], answers, pad_id, device)
         teacher_inputs, teacher_answer = build_batch(
             teacher_prompts[rows], answers, pad_id, device)
+        student_scored, teacher_scored, targets, in_loss = scored_positions(
+            student_answer, teacher_answer, student_inputs["input_ids"], skip_first_tokens)
         with torch.no_grad(), teacher_weights(model, lora_params, teacher, ema):
             teacher_hidden = final_hidden(model, teacher_inputs)  # (B, T_teacher, H)
         student_hidden = final_hidden(model, student_inputs)  # (B, T_student, H)
-        # The shift by one, here only: hidden state t predicts token t + 1, so the positions
-        # scored run from the prompt's last token to the answer's last but one. The mask
-        # moves one left ([:, 1:]) and the hidden states lose their last position ([:, :-1]):
-        # both (B, T - 1), and at column t the hidden state of token t meets the mask of
-        # token t + 1.
-        student_scored = student_answer[:, 1:]  # (B, T_student - 1)
-        teacher_scored = teacher_answer[:, 1:]
-        targets = student_inputs["input_ids"][:, 1:][student_scored]  # (N,) answer tokens
-        in_loss = [j >= skip_first_tokens for c in answers for j in range(len(c))]
         loss, micro_stats = opsd_loss(
-            student_hidden[:, :-1], student_scored, teacher_hidden[:, :-1], teacher_scored,
-            lm_head, num_tokens, targets, loss_positions=torch.tensor(in_loss, device=device),
-            **loss_kw)
+            student_hidden, student_scored, teacher_hidden, teacher_scored, lm_head,
+            num_tokens, targets, loss_positions=in_loss, **loss_kw)
         loss.backward()
         loss_sum += loss.item()
         stats.append(micro_stats)
@@ -1499,46 +1554,7 @@ def check_logits_path(model):
     return None
 
 
-# -- While it runs: the push read back; no non-finite update
-
-def fingerprint(weight):
-    """Exact: a weight's bits' plain, squared and position-weighted sums in wrapping int64,
-    which no summation order changes."""
-    # + 0.0 turns -0.0 into 0.0, as the engine's read-back (a sum of products) may
-    bits = (weight.detach() + 0.0).contiguous()
-    bits = bits.view(getattr(torch, f"int{8 * weight.element_size()}")).flatten().long()
-    position = torch.arange(1, bits.numel() + 1, device=bits.device)
-    sums = (bits.sum(), (bits * bits).sum(), (bits * position).sum())
-    return tuple(int(s) for s in sums)
-
-
-@torch.no_grad()
-def engine_fingerprints(model):
-    """In vLLM's worker: each linear layer's fingerprint, read through the GEMM sampling uses
-    (on a CPU the weight lives only in a repacked kernel handle) applied to the identity:
-    I W^T = W^T exactly. Stacked layers (qkv_proj, gate_up_proj) are split back."""
-    from vllm.model_executor.layers.linear import LinearBase
-    stacked = getattr(model, "packed_modules_mapping", {})
-    prints = {}
-    for name, m in model.named_modules():
-        if isinstance(m, LinearBase):
-            eye = torch.eye(m.input_size_per_partition).to(m.weight)
-
-            parts = m.quant_method.apply(m, eye).t().split(m.output_partition_sizes)
-            parent, _, short = name.rpartition(".")
-            for part_name, part in zip(stacked.get(short, [short]), parts):
-                prints[f"{parent}.{part_name}.weight"] = fingerprint(part)
-    return prints
-
-
-def check_push(llm, model):
-    """Each LoRA layer merged again, compared bit for bit with the engine's weights."""
-    engine = llm.apply_model(engine_fingerprints)[0]
-    for name, m in lora_layers(model).items():
-        if engine.get(f"{name}.weight") != fingerprint(m.merged_weight()):
-            fail(f"the weight push failed: vLLM's {name} does not hold the merged weights "
-                 "sent to it (is vllm the version requirements.txt pins?).")
-
+# -- While it runs: no non-finite update
 
 def check_finite(step, loss, grad_norm):
     if not (math.isfinite(loss) and math.isfinite(grad_norm)):

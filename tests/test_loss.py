@@ -158,14 +158,14 @@ def test_chunked_equals_unchunked_value_and_gradient(clip, beta):
 def test_masked_positions_contribute_nothing():
     hs, ht, W, s_mask, t_mask = hidden_batch(6)
     h1 = hs.clone().requires_grad_()
-    loss1, _ = opsd_loss(h1, s_mask, ht, t_mask, W, 15, chunk_size=4, clip="token")
+    loss1, _ = opsd_loss(h1, s_mask, ht, t_mask, W, 15, chunk_size=4, clip="token", temperature=T)
     (g1,) = torch.autograd.grad(loss1, h1)
     # change every masked-out hidden state, student and teacher: nothing may move
     hs2, ht2 = hs.clone(), ht.clone()
     hs2[~s_mask] = 1e3
     ht2[~t_mask] = -1e3
     h2 = hs2.requires_grad_()
-    loss2, _ = opsd_loss(h2, s_mask, ht2, t_mask, W, 15, chunk_size=4, clip="token")
+    loss2, _ = opsd_loss(h2, s_mask, ht2, t_mask, W, 15, chunk_size=4, clip="token", temperature=T)
     (g2,) = torch.autograd.grad(loss2, h2)
     assert loss1.item() == loss2.item() and loss1.item() > 0
     assert torch.equal(g1, g2)
@@ -176,7 +176,8 @@ def test_all_masked_gives_zero_loss_and_zero_gradient():
     hs, ht, W, s_mask, t_mask = hidden_batch(7)
     h = hs.clone().requires_grad_()
     for num_tokens in (0, 12):
-        loss, _ = opsd_loss(h, torch.zeros_like(s_mask), ht, torch.zeros_like(t_mask), W, num_tokens, clip="entry")
+        loss, _ = opsd_loss(h, torch.zeros_like(s_mask), ht, torch.zeros_like(t_mask), W, num_tokens, clip="entry",
+                             temperature=T)
         (g,) = torch.autograd.grad(loss, h)
         assert loss.item() == 0.0 and torch.isfinite(loss)
         assert torch.equal(g, torch.zeros_like(g))
@@ -186,7 +187,7 @@ def test_teacher_and_lm_head_get_no_gradient():
     hs, ht, W, s_mask, t_mask = hidden_batch(8)
     ht.requires_grad_()
     h = hs.clone().requires_grad_()
-    opsd_loss(h, s_mask, ht, t_mask, W, 15)[0].backward()
+    opsd_loss(h, s_mask, ht, t_mask, W, 15, temperature=T)[0].backward()
     assert ht.grad is None and h.grad is not None
 
 
