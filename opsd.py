@@ -815,10 +815,9 @@ def parse_args(argv=None):
     once.add_argument("--overwrite", action="store_true", help="replace --output-dir's run")
     add("--device", "auto", "auto: CUDA when torch sees it; a CUDA build that sees none is "
         "refused", choices=["auto", "cpu", "cuda"])
-    add("--collective-timeout", COLLECTIVE_TIMEOUT, "T, in minutes: the most each start-up phase "
-        "may take (connect, input checks, model load with any download, vLLM's start; healthy: a "
-        "few minutes), and each wait for the other ranks (T, 1.1 T for an agreement); raise it "
-        "for a download slower than about 9 MB/s for an 8B model")
+    add("--collective-timeout", COLLECTIVE_TIMEOUT, "T, minutes: the most each start-up phase may "
+        "take (healthy: minutes; a first 8B download in the model's load needs 9 MB/s), and each "
+        "wait for other ranks (1.1 T at an agreement)")
     add("--kl-window", 20_000, "answer tokens the logged means span")
     add("--log-rollouts-every", 10, "steps; rank 0's answers to rollouts.jsonl; 0: never")
     add("--wandb-project", None, "also log to wandb (pip install wandb)")
@@ -928,7 +927,8 @@ def start_up(argv, run):
         args = parse_args(argv)
         minutes = args.collective_timeout
     except Refusal as e:  # said in the start's agreement, so that every node says it
-        args, minutes = e, COLLECTIVE_TIMEOUT
+        args = e
+        minutes = COLLECTIVE_TIMEOUT
 
     # ---- what a node can get wrong, agreed before the process group exists
     with ranks_agree("the start", minutes):
@@ -1351,9 +1351,9 @@ def check_checkpoint(checkpoint):
     # written before the format was: 1 if its KL window holds loss_tokens, as format 1's does
     written = state.get("format", int(all("loss_tokens" in s for s in state["kl_window"])))
     if written != CHECKPOINT_FORMAT:
-        fail(f"--resume: {checkpoint} holds format {written} of a checkpoint, and this opsd.py "
-             f"reads format {CHECKPOINT_FORMAT}: resume it with the opsd.py that wrote it, or "
-             "start again with a new --output-dir.")
+        fail(f"--resume: {checkpoint} is in format {written}, this opsd.py's is "
+             f"{CHECKPOINT_FORMAT}: resume with the opsd.py that wrote it, or start a new "
+             "--output-dir.")
 
 
 def check_same_checkpoint(checkpoint):
@@ -1365,7 +1365,7 @@ def check_same_checkpoint(checkpoint):
     steps = all_reduce(torch.tensor([step, -step]), dist.ReduceOp.MAX).tolist()
     if steps[0] != -steps[1]:
         fail(f"--resume: ranks see checkpoints {-steps[1]} to {steps[0]} as the newest (0: none): "
-             "use one --output-dir that every node sees alike (a shared filesystem that lags?).")
+             "give every node one --output-dir (a lagging shared filesystem?).")
 
 
 def run_record(args, prompts, device):
@@ -1517,13 +1517,12 @@ def check_launch(args):
     if args.wandb_project and RANK == 0 and not offline:
         import wandb
         if not wandb.login(prompt=False, verify=False):
-            fail("--wandb-project: wandb has no API key on rank 0's node: run wandb login there, "
-                 "or set WANDB_API_KEY or WANDB_MODE=offline.")
+            fail("--wandb-project: wandb has no API key on rank 0's node: wandb login, or set "
+                 "WANDB_API_KEY or WANDB_MODE=offline.")
     restarts = os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0")
     if restarts != "0":
-        fail(f"torchrun --max-restarts {restarts}: opsd.py is not restarted by torchrun (its "
-             "restart would find this run's files): pass --max-restarts 0, and resume with the "
-             "command a stop prints.")
+        fail(f"torchrun --max-restarts {restarts}: a restart would meet this run's files: pass 0, "
+             "and resume with the command a stop prints.")
 
 
 def check_cuda_build():
@@ -1656,8 +1655,7 @@ def exchange(phase, text, minutes):
     limit of 1.1 `minutes` ends this rank then."""
     if STORE is None:
         return [text]
-    why = ("1.1 x --collective-timeout: torchrun's store on node 0 did not answer; is node 0 "
-           "frozen, or its network down?")
+    why = "1.1 x --collective-timeout: torchrun's store on node 0 did not answer"
     with time_limit(f"the agreement on {phase}", 1.1 * minutes, why=why):
         report(None)  # not dated as this wait's start: a rank that fails meanwhile is first
         keys = agreement_keys(phase)

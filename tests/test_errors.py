@@ -234,13 +234,13 @@ def test_wandb_without_credentials_and_torchruns_restarts_are_refused_at_the_sta
     for name in ("HOME", "WANDB_CONFIG_DIR", "NETRC"):  # no settings file, no .netrc
         monkeypatch.setenv(name, str(tmp_path / "nowhere"))
     assert error_of(base + ["--wandb-project", "p"], capsys) == (
-        "opsd.py: error: --wandb-project: wandb has no API key on rank 0's node: run wandb login there, or set "
+        "opsd.py: error: --wandb-project: wandb has no API key on rank 0's node: wandb login, or set "
         "WANDB_API_KEY or WANDB_MODE=offline.\n")
     monkeypatch.setenv("WANDB_MODE", "offline")
     monkeypatch.setenv("TORCHELASTIC_MAX_RESTARTS", "3")
     assert error_of(base + ["--wandb-project", "p"], capsys) == (
-        "opsd.py: error: torchrun --max-restarts 3: opsd.py is not restarted by torchrun (its restart would find "
-        "this run's files): pass --max-restarts 0, and resume with the command a stop prints.\n")
+        "opsd.py: error: torchrun --max-restarts 3: a restart would meet this run's files: pass 0, and resume "
+        "with the command a stop prints.\n")
     assert not (tmp_path / "out").exists()
 
 
@@ -260,9 +260,8 @@ def test_a_checkpoint_in_another_format_is_refused_before_the_model_loads(tmp_pa
             continue
         with pytest.raises(opsd.Refusal) as refusal:
             opsd.check_checkpoint(checkpoint)
-        assert str(refusal.value) == (
-            f"--resume: {checkpoint} holds format {written} of a checkpoint, and this opsd.py reads format 1: resume "
-            "it with the opsd.py that wrote it, or start again with a new --output-dir.")
+        assert str(refusal.value) == (f"--resume: {checkpoint} is in format {written}, this opsd.py's is 1: resume with "
+                                      "the opsd.py that wrote it, or start a new --output-dir.")
 
 
 def test_a_model_without_a_chat_template_is_one_sentence_before_it_loads(tiny_model_dir, base, tmp_path, capsys,
