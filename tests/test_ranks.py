@@ -210,7 +210,8 @@ def test_a_rank_killed_by_a_signal_in_a_phase_is_said_as_that_on_every_node(tiny
     """Two nodes; rank 1 is SIGKILLed in the input checks (the host's OOM killer): its node's torchrun report names
     the signal and the phase, and no time limit (before, its error file claimed the phase's limit, dated a minute past
     it, so a rank torchrun ended later came first as the root cause); rank 0 names it at the agreement, with the
-    phase it is in, after --collective-timeout."""
+    phase it is in, after --collective-timeout. On one node, where torchrun ends rank 0 at once, rank 1 is the root
+    cause."""
     logs = tmp_path / "logs"
     script = [str(ROOT / "tests" / "fault_launch.py"),
               *flags(tiny_model_dir, tmp_path / "out", "--collective-timeout", "0.15")]
@@ -233,6 +234,12 @@ def test_a_rank_killed_by_a_signal_in_a_phase_is_said_as_that_on_every_node(tiny
                 "rank 1 is in the input checks; the log of its node says where it stopped.")
     assert said(rank0, sentence) == 1 and said(rank0, "opsd.py: ") == 1, rank0[-3000:]
     assert sentence.split("opsd.py: ")[1] in root_cause(reports[0])
+    # on one node torchrun SIGTERMs rank 0 when rank 1 ends: its report's root cause is rank 1 still
+    code, torchrun, ranks, elapsed = launch(tiny_model_dir, tmp_path / "one-node", "signal:checks")
+    cause = root_cause(torchrun)
+    assert code != 0 and elapsed is not None and elapsed < 2 + BOUND_S, (elapsed, torchrun[-2000:])
+    assert "rank      : 1 (local_rank: 1)" in cause and "SIGKILL" in cause, cause
+    assert "traceback : opsd.py: rank 1: ended during the input checks, begun at " in cause, cause
 
 
 def test_a_frozen_node_0_ends_every_rank_within_the_agreements_bound(tiny_model_dir, tmp_path):

@@ -494,7 +494,8 @@ def test_ranks_resuming_from_different_checkpoints_are_refused_before_any_loads_
     checkpoint is cut short refuses, naming its file, and every rank with it. Both before any rank loads a model."""
     elsewhere = tmp_path / "copy"
     shutil.copytree(entry_run[0], elsewhere, ignore=shutil.ignore_patterns("final", "checkpoint-4"))
-    sentence = "opsd.py: error: --resume: ranks see checkpoints 2 to 4 as the newest: use one --output-dir."
+    sentence = ("opsd.py: error: --resume: ranks see checkpoints 2 to 4 as the newest (0: none): give every node one "
+                "--output-dir (a lagging shared filesystem?).")
     if copy == "bad copy":
         shutil.copytree(entry_run[0] / "checkpoint-4", elsewhere / "checkpoint-4")
         adapter = elsewhere / "checkpoint-4" / opsd.ADAPTER_WEIGHTS
