@@ -743,6 +743,9 @@ def check_flags(args):
              f"--micro-batch-size = {WORLD_SIZE} x {args.micro_batch_size}.")
 
 
+COLLECTIVE_TIMEOUT = 30.0  # minutes; also the start's while the flags are refused
+
+
 def parse_args(argv=None):
     p = argparse.ArgumentParser(
         prog="opsd.py", formatter_class=argparse.ArgumentDefaultsHelpFormatter,
@@ -812,9 +815,9 @@ def parse_args(argv=None):
     once.add_argument("--overwrite", action="store_true", help="replace --output-dir's run")
     add("--device", "auto", "auto: CUDA when torch sees it; a CUDA build that sees none is "
         "refused", choices=["auto", "cpu", "cuda"])
-    add("--collective-timeout", 30.0, "minutes a rank waits for the others, and the most each "
-        "start-up phase may take (connect, input checks, model load, vLLM's start: a healthy one "
-        "takes minutes)")
+    add("--collective-timeout", COLLECTIVE_TIMEOUT, "T, minutes: the most each start-up phase may "
+        "take (healthy: minutes; a first 8B download in the model's load needs 9 MB/s), and each "
+        "wait for other ranks (1.1 T at an agreement)")
     add("--kl-window", 20_000, "answer tokens the logged means span")
     add("--log-rollouts-every", 10, "steps; rank 0's answers to rollouts.jsonl; 0: never")
     add("--wandb-project", None, "also log to wandb (pip install wandb)")
@@ -833,62 +836,15 @@ def main(argv=None):
     run = {"resume": launch_command(again + ["--resume"]), "again": launch_command(flags),
            "args": None, "step": None}
     with stop_cleanly(run):
-        args = parse_args(argv)
-        run["args"] = args
-        train(args, run)
+        train(argv, run)
 
 
-def train(args, run):
-    minutes = args.collective_timeout  # each start-up phase's limit, and each wait's
+def train(argv, run):
+    args, tokenizer, prompts, model, lora_params, optimizer, llm, tracker, resumed = start_up(
+        argv, run)
+    start_step, ema, window = resumed
+    minutes = args.collective_timeout
     out_dir = Path(args.output_dir)
-    connect_store(minutes)
-
-    # ---- what a node can get wrong, agreed before the process group exists
-    with ranks_agree("the start", minutes):
-        device = choose_device(args)
-        if args.wandb_project and not importlib.util.find_spec("wandb"):
-            fail("--wandb-project needs wandb: pip install wandb.")
-    with time_limit("the process group's start", minutes):
-        init_distributed(args, device)
-
-    # ---- what a user can get wrong, before a model loads
-    with ranks_agree("the input checks", minutes):
-        resume_from = check_output_dir(args)
-        check_model(args)
-        tokenizer, prompts = load_prompts(args)
-        args_record = run_record(args, prompts, device)
-        if args.resume:
-            check_resume(args_record, out_dir)
-        try:  # the first thing written
-            out_dir.mkdir(parents=True, exist_ok=True)
-        except OSError as e:
-            fail(f"--output-dir {out_dir}: {e.strerror}: choose another.")
-    print0(f"to resume: {run['resume']}")
-
-    # ---- the model with LoRA, and this rank's vLLM engine
-    if resume_from:
-        with ranks_agree("the checkpoint's check", minutes):
-            check_checkpoint(resume_from)
-        check_same_checkpoint(resume_from)
-    with ranks_agree("the model's load", minutes):
-        model, lora_params = load_model(args, device)
-    optimizer = torch.optim.AdamW(lora_params, lr=args.lr, weight_decay=0.0)
-    with time_limit("vLLM's start", minutes):
-        llm = start_engine(args, device)
-    start_step = 0
-    ema = None
-    window = deque()  # per-step sums, newest last
-    if resume_from:
-        start_step, ema, window = restore(resume_from, model, lora_params, optimizer)
-        push_weights(llm, model)
-        with ranks_agree("the weight push's check", minutes):
-            check_push(llm, model)
-        print0(f"resumed from {resume_from}")
-    tracker = None
-    if RANK == 0:
-        tracker = open_run(args, start_step, args_record)
-    # the run is written: --resume without a checkpoint starts it again
-    run["again"] = run["resume"]
     pad_id = tokenizer.pad_token_id
     if pad_id is None:
         pad_id = tokenizer.eos_token_id
@@ -961,6 +917,67 @@ def train(args, run):
         if tracker:
             tracker.finish()
     stop_engine(llm)
+
+
+def start_up(argv, run):
+    """Everything before step 1, phase by phase, each within its time limit (T, from
+    --collective-timeout); what a rank can get wrong is agreed by all ranks (ranks_agree), so
+    every node says it. Returns what the loop needs."""
+    try:
+        args = parse_args(argv)
+        minutes = args.collective_timeout
+    except Refusal as e:  # said in the start's agreement, so that every node says it
+        args = e
+        minutes = COLLECTIVE_TIMEOUT
+
+    # ---- what a node can get wrong, agreed before the process group exists
+    with ranks_agree("the start", minutes):
+        connect_store(minutes)
+        if isinstance(args, Refusal):
+            raise args
+        run["args"] = args
+        device = choose_device(args)
+        check_launch(args)
+    out_dir = Path(args.output_dir)
+    with time_limit("the process group's start", minutes, lock_held=True):
+        init_distributed(args, device)
+
+    # ---- what a user can get wrong, before a model loads
+    with ranks_agree("the input checks", minutes):
+        resume_from = check_output_dir(args)
+        check_model(args)
+        tokenizer, prompts = load_prompts(args)
+        args_record = run_record(args, prompts, device)
+        if args.resume:
+            check_resume(args_record, out_dir)
+        try:  # the first thing written
+            out_dir.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            fail(f"--output-dir {out_dir}: {e.strerror}: choose another.")
+    print0(f"to resume: {run['resume']}")
+    with ranks_agree("the checkpoint's check", minutes):  # every rank, with a checkpoint or not
+        check_checkpoint(resume_from)
+    check_same_checkpoint(resume_from)
+
+    # ---- the model with LoRA, and this rank's vLLM engine
+    with ranks_agree("the model's load", minutes):
+        model, lora_params = load_model(args, device)
+    optimizer = torch.optim.AdamW(lora_params, lr=args.lr, weight_decay=0.0)
+    with time_limit("vLLM's start", minutes, lock_held=True):
+        llm = start_engine(args, device)
+    resumed = (0, None, deque())  # the first step, the EMA, the KL window's per-step sums
+    if resume_from:
+        resumed = restore(resume_from, model, lora_params, optimizer)
+        push_weights(llm, model)
+        with ranks_agree("the weight push's check", minutes):
+            check_push(llm, model)
+        print0(f"resumed from {resume_from}")
+    tracker = None
+    if RANK == 0:
+        tracker = open_run(args, resumed[0], args_record)
+    # the run is written: --resume without a checkpoint starts it again
+    run["again"] = run["resume"]
+    return args, tokenizer, prompts, model, lora_params, optimizer, llm, tracker, resumed
 
 
 def choose_attention_kernels():
@@ -1147,6 +1164,11 @@ def restore(checkpoint, model, lora_params, optimizer):
     return state["step"], ema, deque(state["kl_window"])
 
 
+# what trainer_state.pt holds: 1, the step, the optimizer's state and the KL window's per-step
+# sums (diagnostic_sums); any change of these (a key added, renamed or read otherwise) adds 1
+CHECKPOINT_FORMAT = 1
+
+
 def save_run_state(out_dir, model, lora_params, ema, args, state=None):
     """checkpoint-<step>/ or final/, written aside, then renamed. No RNG state: the data
     order and the sampling seeds are functions of (seed, step)."""
@@ -1161,7 +1183,7 @@ def save_run_state(out_dir, model, lora_params, ema, args, state=None):
         with lora_values(lora_params, ema):
             save_adapter(model, tmp / "ema", args.model)
     if state is not None:
-        torch.save(state, tmp / "trainer_state.pt")
+        torch.save({**state, "format": CHECKPOINT_FORMAT}, tmp / "trainer_state.pt")
     # flushed before the rename, and it after
     for path in [*tmp.rglob("*"), tmp]:
         flush(path)
@@ -1313,26 +1335,37 @@ def check_output_dir(args):
 
 
 def check_checkpoint(checkpoint):
-    """Each file of the checkpoint loads."""
+    """Each file of the checkpoint (if any) loads, in the format this opsd.py reads."""
+    if checkpoint is None:
+        return
     try:
         ema = checkpoint.glob(f"ema/{ADAPTER_WEIGHTS}")
         for path in [checkpoint / "trainer_state.pt", checkpoint / ADAPTER_WEIGHTS, *ema]:
             if path.suffix == ".pt":
-                torch.load(path, map_location="cpu", weights_only=True)
+                state = torch.load(path, map_location="cpu", weights_only=True)
             else:
                 load_file(path)
     except Exception as e:
         fail(f"--resume: {path} does not load ({str(e).split('. ')[0]}): rename "
              f"{checkpoint.name} to bad-{checkpoint.name} to resume from the one before.")
+    # written before the format was: 1 if its KL window holds loss_tokens, as format 1's does
+    written = state.get("format", int(all("loss_tokens" in s for s in state["kl_window"])))
+    if written != CHECKPOINT_FORMAT:
+        fail(f"--resume: {checkpoint} is in format {written}, this opsd.py's is "
+             f"{CHECKPOINT_FORMAT}: resume with the opsd.py that wrote it, or start a new "
+             "--output-dir.")
 
 
 def check_same_checkpoint(checkpoint):
-    """Every rank resumes from the same step (one --output-dir on every node)."""
-    step = int(checkpoint.name.split("-")[1])
+    """Every rank resumes from the same step, none if one has no checkpoint (one --output-dir
+    on every node)."""
+    step = 0
+    if checkpoint:
+        step = int(checkpoint.name.split("-")[1])
     steps = all_reduce(torch.tensor([step, -step]), dist.ReduceOp.MAX).tolist()
     if steps[0] != -steps[1]:
-        fail(f"--resume: ranks see checkpoints {-steps[1]} to {steps[0]} as the newest: use one "
-             "--output-dir.")
+        fail(f"--resume: ranks see checkpoints {-steps[1]} to {steps[0]} as the newest (0: none): "
+             "give every node one --output-dir (a lagging shared filesystem?).")
 
 
 def run_record(args, prompts, device):
@@ -1475,6 +1508,23 @@ def choose_device(args):
     return torch.device("cpu")
 
 
+def check_launch(args):
+    """wandb's login, asked now rather than by a prompt after the engine starts; torchrun's
+    restarts, which would meet this run's files and torch's keys of the first attempt."""
+    if args.wandb_project and not importlib.util.find_spec("wandb"):
+        fail("--wandb-project needs wandb: pip install wandb.")
+    offline = os.environ.get("WANDB_MODE") in ("offline", "disabled")
+    if args.wandb_project and RANK == 0 and not offline:
+        import wandb
+        if not wandb.login(prompt=False, verify=False):
+            fail("--wandb-project: wandb has no API key on rank 0's node: wandb login, or set "
+                 "WANDB_API_KEY or WANDB_MODE=offline.")
+    restarts = os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0")
+    if restarts != "0":
+        fail(f"torchrun --max-restarts {restarts}: a restart would meet this run's files: pass 0, "
+             "and resume with the command a stop prints.")
+
+
 def check_cuda_build():
     if torch.version.cuda or not shutil.which("nvidia-smi"):
         return
@@ -1514,7 +1564,7 @@ def check_finite(step, loss, grad_norm):
 # -- When a run stops: a refusal agreed, a failure at once, no start-up phase unbounded
 
 STORE = None  # torchrun's key-value store (connect_store): the ranks' agreements go through it
-AGREEMENTS = []  # the phases agreed on so far: every rank makes the same ones in the same order
+AGREEMENTS = {}  # {phase: how many agreements on it so far}: every rank makes the same ones
 ENDING = threading.Lock()  # held by what ends this rank first: a time limit, or stop_cleanly
 
 
@@ -1522,19 +1572,22 @@ def say(text, all_ranks=False):
     """Print (once a node if all ranks say it); also for torchrun's report."""
     if LOCAL_RANK == 0 or not all_ranks:
         print(text, file=sys.stderr, flush=True)
-    report(text, time.time())
+    report(text)
 
 
-def report(text, timestamp):
+def report(text, began=None):
     """`text` for torchrun's report of this rank, should it end before saying anything else;
-    None: nothing."""
-    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
-    if not path:
+    None: nothing. torchrun's root cause is the earliest: a rank that fails in a phase is dated
+    as the phase's start, as are the others torchrun ends there, who come after it."""
+    if not os.environ.get("TORCHELASTIC_ERROR_FILE"):
         return
+    path = Path(os.environ["TORCHELASTIC_ERROR_FILE"])
     if text is None:
-        Path(path).unlink(missing_ok=True)
+        path.unlink(missing_ok=True)
         return
-    Path(path).write_text(json.dumps({"message": text, "timestamp": int(timestamp)}))
+    if began is None and path.exists():  # within a phase
+        began = json.loads(path.read_text())["timestamp"]
+    path.write_text(json.dumps({"message": text, "timestamp": int(began or time.time())}))
 
 
 def connect_store(minutes):
@@ -1555,51 +1608,71 @@ def end_rank(message):
 
 
 @contextmanager
-def time_limit(phase, minutes):
-    """End this rank if `phase` has not ended within `minutes`. A thread says so; if the main
-    thread holds Python's lock inside a C call (NCCL's split, CUDA's start), faulthandler's own
-    thread, which needs no lock, ends the rank a minute later: it prints where each thread was,
-    and torchrun's report says the phase."""
+def time_limit(phase, minutes, lock_held=False, why="--collective-timeout"):
+    """End this rank if `phase` has not ended within `minutes`: a thread says so. Meanwhile
+    torchrun's report says the phase, should a signal end the rank (its exit code names it).
+    Where the main thread may hold Python's lock inside a C call (NCCL's split, CUDA's start),
+    that thread cannot run: faulthandler's own thread, which needs no lock, ends the rank a
+    minute later with every thread's stack (faulthandler keeps one such watchdog a process:
+    this one replaces any other, pytest's faulthandler_timeout among them)."""
     seconds = minutes * 60
-    message = (f"opsd.py: rank {RANK}: {phase} did not end within {minutes:g} minutes "
-               "(--collective-timeout); where each thread was:")
+    message = (f"opsd.py: rank {RANK}: {phase} did not end within {minutes:g} minutes ({why}); "
+               "where each thread was:")
     timer = threading.Timer(seconds, end_rank, [message])
     timer.daemon = True
     timer.start()
-    faulthandler.dump_traceback_later(seconds + 60, exit=True, file=sys.__stderr__)
-    report(f"opsd.py: rank {RANK}: ended during {phase} (its limit: {minutes:g} minutes, "
-           "--collective-timeout)", time.time() + seconds + 60)
+    if lock_held:
+        faulthandler.dump_traceback_later(seconds + 60, exit=True, file=sys.__stderr__)
+    if STORE is not None:  # where this rank is, for a rank that waits for it
+        STORE.set(store_key("at", RANK), phase)
+    began = time.time()
+    clock = time.strftime("%H:%M:%S", time.localtime(began))
+    report(f"opsd.py: rank {RANK}: ended during {phase}, begun at {clock}", began)
     try:
         yield
     finally:
         timer.cancel()
-        faulthandler.cancel_dump_traceback_later()
-        report(None, 0)  # the phase is over
+        if lock_held:
+            faulthandler.cancel_dump_traceback_later()
+    report(None)  # the phase is over (a failure in it is dated as its start)
+
+
+def store_key(*parts):
+    """A key of this run's in the store; a restart of the workers starts with fresh ones."""
+    return "/".join(["opsd", os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"), *map(str, parts)])
 
 
 def agreement_keys(phase):
-    """Each rank's key in the store for the next agreement, on `phase`."""
-    AGREEMENTS.append(phase)
-    restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")  # a restart starts again at 1
-    return [f"opsd/{restart}/{len(AGREEMENTS)}/{rank}" for rank in range(WORLD_SIZE)]
+    """Each rank's key for the next agreement on `phase`: ranks on different paths never pair."""
+    AGREEMENTS[phase] = AGREEMENTS.get(phase, 0) + 1
+    return [store_key(phase, AGREEMENTS[phase], rank) for rank in range(WORLD_SIZE)]
 
 
 def exchange(phase, text, minutes):
     """Every rank's `text` for this agreement, through the store; a rank that has not given
-    its own within `minutes` is named."""
+    its own within `minutes` is named, with the phase it is in. The store's client reads a
+    reply without a bound (a frozen node 0, a network that drops without a reset): a time
+    limit of 1.1 `minutes` ends this rank then."""
     if STORE is None:
         return [text]
-    keys = agreement_keys(phase)
-    STORE.set(keys[RANK], text)
-    try:
-        STORE.wait(keys, timedelta(minutes=minutes))
-    except dist.DistStoreError:  # the wait's timeout
-        missing = [str(rank) for rank, key in enumerate(keys) if not STORE.check([key])]
-        fail(f"rank {', '.join(missing)} did not reach {phase} within {minutes:g} minutes "
-             "(--collective-timeout): the log of its node says where it stopped.")
-    except dist.DistError as e:
-        fail(f"torchrun's store on node 0 went away during {phase} ({e}): node 0's log says why.")
-    return [STORE.get(key).decode() for key in keys]
+    why = "1.1 x --collective-timeout: torchrun's store on node 0 did not answer"
+    with time_limit(f"the agreement on {phase}", 1.1 * minutes, why=why):
+        report(None)  # not dated as this wait's start: a rank that fails meanwhile is first
+        keys = agreement_keys(phase)
+        STORE.set(keys[RANK], text)
+        try:
+            STORE.wait(keys, timedelta(minutes=minutes))
+        except dist.DistStoreError:  # the wait's timeout
+            missing = [rank for rank, key in enumerate(keys) if not STORE.check([key])]
+            where = [f"rank {rank} is in {STORE.get(store_key('at', rank)).decode()}; "
+                     for rank in missing if STORE.check([store_key("at", rank)])]
+            fail(f"rank {', '.join(map(str, missing))} did not reach {phase} within {minutes:g} "
+                 f"minutes (--collective-timeout): {''.join(where)}the log of its node says "
+                 "where it stopped.")
+        except dist.DistError as e:
+            fail(f"torchrun's store on node 0 went away during {phase} ({e}): node 0's log says "
+                 "why.")
+        return [STORE.get(key).decode() for key in keys]
 
 
 @contextmanager
@@ -1644,6 +1717,7 @@ def stop_cleanly(run):
         interrupted.append(signum)
         raise KeyboardInterrupt
     previous = signal.signal(signal.SIGINT, on_interrupt)
+    faulthandler.enable(sys.__stderr__)  # a rank a signal ends (SIGSEGV, SIGABRT): its stacks
     try:
         yield
     except Refusal as e:

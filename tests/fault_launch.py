@@ -1,13 +1,16 @@
 """opsd.py with one fault on rank 1 alone, for tests/test_ranks.py and tests/test_train.py (not collected by pytest):
 
-    FAULT=oom|bug|kill|hang|data:PATH|output-dir:PATH|slow-final|stall:PHASE|no-cuda|no-wandb \
+    FAULT=oom|bug|kill|hang|data:PATH|output-dir:PATH|slow-final|stall:PHASE|signal:PHASE|freeze:PATH|flag:FLAGS|no-cuda|no-wandb \
         torchrun --nproc_per_node 2 tests/fault_launch.py ...
 
 data:PATH and output-dir:PATH give rank 1 another --dataset or --output-dir (a file that is not there, a corrupt one,
 a directory the other rank does not see; with output-dir every rank prints "loading the model" as it starts to); oom raises torch.OutOfMemoryError in rank 1's third step, bug a RuntimeError, kill sends
 rank 1 SIGKILL there, hang SIGSTOP (a rank that neither answers nor ends); slow-final makes rank 0's final save take 5 s
 longer (with no time limit on the start-up's phases). stall:PHASE makes rank 1 sleep where a real call would block: in the agreement at the start (start), in the
-process group's connect (connect), in the model's load (load) or in vLLM's start (engine). no-cuda makes rank 1's torch
+process group's connect (connect), in the input checks (checks), in the model's load (load) or in vLLM's start
+(engine); signal:PHASE makes it SIGKILL itself there 2 s later (the host's OOM killer). freeze:PATH makes rank 1 wait
+at the end of the start's checks until PATH exists (the test stops node 0's agent meanwhile); flag:FLAGS gives rank 1
+FLAGS more (a command line that differs on one node). no-cuda makes rank 1's torch
 a CUDA build that sees no GPU; no-wandb hides wandb from rank 1: both refused before the process group exists. Rank 1
 prints "fault at <unix time> in <pid>" to stderr just before its fault."""
 
@@ -33,7 +36,7 @@ if value == "engine":
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
     import vllm  # noqa: F401
 if kind == "slow-final":  # its short --collective-timeout is for the waits after the last step, not the start-up's
-    opsd.time_limit = lambda phase, minutes: contextlib.nullcontext()
+    opsd.time_limit = lambda *args, **kwargs: contextlib.nullcontext()
 if kind == "output-dir":  # every rank says when it starts loading the model: a refusal on resume comes before
     load = opsd.load_model
 
@@ -53,15 +56,30 @@ if kind == "slow-final" and os.environ["RANK"] == "0":
 elif kind == "slow-final":
     pass
 elif os.environ["RANK"] == "1":
-    if kind == "stall":
-        where = {"start": opsd, "connect": opsd.dist, "load": opsd, "engine": opsd}[value]
-        name = {"start": "choose_device", "connect": "init_process_group", "load": "load_model",
-                "engine": "start_engine"}[value]
+    if kind in ("stall", "signal"):
+        where = {"start": opsd, "connect": opsd.dist, "checks": opsd, "load": opsd, "engine": opsd}[value]
+        name = {"start": "choose_device", "connect": "init_process_group", "checks": "check_model",
+                "load": "load_model", "engine": "start_engine"}[value]
 
         def stall(*args, **kwargs):
             print(f"fault at {time.time()} in {os.getpid()}", file=sys.stderr, flush=True)
+            if kind == "signal":  # the others are past their own checks by then
+                time.sleep(2)
+                os.kill(os.getpid(), signal.SIGKILL)
             time.sleep(3600)
         setattr(where, name, stall)
+    elif kind == "freeze":
+        check = opsd.check_launch
+
+        def frozen_check(args):
+            print(f"fault at {time.time()} in {os.getpid()}", file=sys.stderr, flush=True)
+            while not os.path.exists(value):  # the test stops node 0's agent, then makes the file
+                time.sleep(0.1)
+            return check(args)
+        opsd.check_launch = frozen_check
+    elif kind == "flag":
+        print(f"fault at {time.time()} in {os.getpid()}", file=sys.stderr, flush=True)
+        sys.argv += value.split()
     elif kind == "no-cuda":
         print(f"fault at {time.time()} in {os.getpid()}", file=sys.stderr, flush=True)
         torch.version.cuda = "13.0"  # a CUDA build, and no GPU visible: is_available() is False here

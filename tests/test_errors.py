@@ -222,6 +222,48 @@ def test_a_run_that_asks_for_cuda_and_cannot_have_it_is_refused_before_anything_
     assert not (tmp_path / "out").exists()
 
 
+def test_wandb_without_credentials_and_torchruns_restarts_are_refused_at_the_start(base, tmp_path, capsys,
+                                                                                 monkeypatch):
+    """--wandb-project on a node where wandb has no API key: refused at the start (before, wandb.init asked for one
+    after the engine had started, at a terminal without a timeout while the other ranks waited); WANDB_MODE=offline
+    needs none. torchrun's --max-restarts above 0 (a restart would meet the run's own files): refused at the start.
+    Each before any model loads."""
+    monkeypatch.setattr(opsd, "load_model", lambda *_: pytest.fail("a model loaded before the refusal"))
+    for name in ("WANDB_API_KEY", "WANDB_MODE"):
+        monkeypatch.delenv(name, raising=False)
+    for name in ("HOME", "WANDB_CONFIG_DIR", "NETRC"):  # no settings file, no .netrc
+        monkeypatch.setenv(name, str(tmp_path / "nowhere"))
+    assert error_of(base + ["--wandb-project", "p"], capsys) == (
+        "opsd.py: error: --wandb-project: wandb has no API key on rank 0's node: wandb login, or set "
+        "WANDB_API_KEY or WANDB_MODE=offline.\n")
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("TORCHELASTIC_MAX_RESTARTS", "3")
+    assert error_of(base + ["--wandb-project", "p"], capsys) == (
+        "opsd.py: error: torchrun --max-restarts 3: a restart would meet this run's files: pass 0, and resume "
+        "with the command a stop prints.\n")
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_checkpoint_in_another_format_is_refused_before_the_model_loads(tmp_path):
+    """trainer_state.pt holds its format (opsd.CHECKPOINT_FORMAT); one written before it did is format 1 if its KL
+    window holds loss_tokens, else 0 (such a checkpoint once resumed, ran a step, then failed on KeyError
+    'loss_tokens' at every retry). Another format, older or newer, is one sentence saying what to do."""
+    checkpoint = tmp_path / "checkpoint-2"
+    checkpoint.mkdir()
+    opsd.save_file({"w": torch.zeros(1)}, str(checkpoint / opsd.ADAPTER_WEIGHTS))
+    sums = {"tokens": 3.0, "kl": 0.5}  # a window's sums before loss_tokens
+    for state, written in [({"kl_window": [sums]}, 0), ({"kl_window": [sums], "format": 2}, 2),
+                           ({"kl_window": [{**sums, "loss_tokens": 2.0}]}, 1), ({"kl_window": [], "format": 1}, 1)]:
+        torch.save({"step": 2, "optimizer": {}, **state}, checkpoint / "trainer_state.pt")
+        if written == opsd.CHECKPOINT_FORMAT:
+            opsd.check_checkpoint(checkpoint)
+            continue
+        with pytest.raises(opsd.Refusal) as refusal:
+            opsd.check_checkpoint(checkpoint)
+        assert str(refusal.value) == (f"--resume: {checkpoint} is in format {written}, this opsd.py's is 1: resume with "
+                                      "the opsd.py that wrote it, or start a new --output-dir.")
+
+
 def test_a_model_without_a_chat_template_is_one_sentence_before_it_loads(tiny_model_dir, base, tmp_path, capsys,
                                                                          monkeypatch):
     plain = tmp_path / "plain"

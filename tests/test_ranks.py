@@ -2,9 +2,11 @@
 """When one rank of a torchrun job stops alone, it says why (after its rank), and no rank waits for it: 2-rank gloo
 runs on the CPU where one rank meets a fault (tests/fault_launch.py), each rank's output read from torchrun's
 per-rank log files. On one node torchrun ends the other ranks (SIGTERM) within a second of one failing; across nodes
-(two torchrun agents of one rank each) a refusal is said on both, a node's refusal before the process group exists is
+(two torchrun agents of one rank each) a refusal is said on both (a flag only one node's command line gets wrong, a
+node that sees no checkpoint where the other does among them), a node's refusal before the process group exists is
 said on both at once, a rank stalled in a start-up phase is ended by that phase's time limit and named by the others,
-and a rank that hangs in a step is found when the others have waited --collective-timeout. A kill -9 of rank 1, a
+a rank SIGKILLed in a phase is said as that, a frozen node 0 (its agent stopped) ends every rank at the agreement's
+limit, and a rank that hangs in a step is found when the others have waited --collective-timeout. A kill -9 of rank 1, a
 resume after it, Ctrl-C and two nodes computing one node's run are in test_train.py."""
 
 import json
@@ -19,6 +21,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
+from safetensors.torch import save_file
 
 from conftest import launch_two_nodes, rank_stderr, said, stop_nodes
 
@@ -70,30 +73,49 @@ def quiet_or_one_collective_error(stderr, where):
 
 
 def test_a_refusal_on_one_node_is_said_on_both_with_its_rank(tiny_model_dir, tmp_path):
-    """Two nodes (two torchrun agents, one rank each) with their own data file or --output-dir: one rank refuses, and
-    both nodes print its sentence once, after its rank, and both torchrun reports name it (before, the other node's
-    said "error: None", or nothing). Nothing is written and no model loads."""
+    """Two nodes (two torchrun agents, one rank each) with their own data file, --output-dir or command line: one rank
+    refuses, and both nodes print its sentence once, after its rank, within seconds (not --collective-timeout, 30
+    minutes), and both torchrun reports name it (before, the other node's said "error: None", or nothing; a flag only
+    node 1 got wrong cost node 0 the timeout). A node whose --output-dir holds the run but not yet its checkpoint (a
+    shared filesystem that lags) makes the same agreements as the others: both refuse it. Nothing is written and no
+    model loads."""
     corrupt = tmp_path / "corrupt.jsonl"  # its second line is cut short
     corrupt.write_text(DATA.read_text().splitlines()[0] + "\n{\"problem\": \n")
     finished = tmp_path / "finished"  # rank 0's --output-dir holds a run; rank 1's is empty
     finished.mkdir()
     (finished / "args.json").write_text("{}")
-    cases = [(f"data:{corrupt}", tmp_path / "out",
-              f"rank 1: --dataset {corrupt}: line 2 is not JSON ("),
-             (f"output-dir:{tmp_path / 'empty'}", finished,
-              f"rank 0: --output-dir {finished} already holds a run (args.json): pass --resume")]
-    for k, (fault, out, sentence) in enumerate(cases):
+    resumed, lagging = tmp_path / "resumed", tmp_path / "lagging"  # rank 0's run has checkpoint-2, rank 1's none yet
+    args = opsd.parse_args(flags(tiny_model_dir, resumed, "--resume"))
+    record = json.dumps(opsd.run_record(args, opsd.load_prompts(args)[1], torch.device("cpu")))
+    for out in (resumed, lagging):
+        out.mkdir()
+        (out / "args.json").write_text(record)
+    (resumed / "checkpoint-2").mkdir()
+    torch.save({"step": 2, "optimizer": {}, "kl_window": [], "format": opsd.CHECKPOINT_FORMAT},
+               resumed / "checkpoint-2" / "trainer_state.pt")
+    save_file({"w": torch.zeros(1)}, resumed / "checkpoint-2" / opsd.ADAPTER_WEIGHTS)
+    cases = [(f"data:{corrupt}", tmp_path / "out", [], f"rank 1: --dataset {corrupt}: line 2 is not JSON ("),
+             (f"output-dir:{tmp_path / 'empty'}", finished, [],
+              f"rank 0: --output-dir {finished} already holds a run (args.json): pass --resume"),
+             ("flag:--top-p 2", tmp_path / "out", [], "rank 1: --top-p must lie in (0, 1]."),
+             (f"output-dir:{lagging}", resumed, ["--resume"],
+              "--resume: ranks see checkpoints 0 to 2 as the newest (0: none): give every node one --output-dir (a "
+              "lagging shared filesystem?).")]
+    for k, (fault, out, extra, sentence) in enumerate(cases):
         logs = tmp_path / f"logs{k}"
-        nodes = launch_two_nodes([str(ROOT / "tests" / "fault_launch.py"), *flags(tiny_model_dir, out)], logs,
+        start = time.time()
+        nodes = launch_two_nodes([str(ROOT / "tests" / "fault_launch.py"), *flags(tiny_model_dir, out, *extra)], logs,
                                  env={"FAULT": fault})
         try:
             reports = [proc.communicate(timeout=120)[1] for proc in nodes]
         finally:
             stop_nodes(nodes)
+        assert time.time() - start < 60, fault  # torch's and transformers' imports on two busy cores, then the checks
         for node, (proc, report) in enumerate(zip(nodes, reports)):
             ours = rank_stderr(logs, node)
             assert proc.returncode != 0 and said(ours, f"opsd.py: error: {sentence}") == 1, ours[-2000:]
             assert "Traceback" not in ours and "<N/A>" not in report and "error: None" not in report
+            assert "loading the model" not in ours
             assert f"traceback : opsd.py: error: {sentence}" in root_cause(report), report[-2000:]
         assert not (tmp_path / "out" / "args.json").exists() and not (tmp_path / "empty" / "args.json").exists()
 
@@ -147,10 +169,10 @@ def test_a_rank_that_hangs_on_another_node_ends_the_run_at_the_collective_timeou
 # it take here, with two nodes on two cores), and what rank 0 says: a rank missing from an agreement is named; a phase
 # whose own collectives wait for the stalled rank (the connect, vLLM's start) ends at the same bound
 STALLS = [
-    ("start", "the start", 0.1, "opsd.py: error: rank 1 did not reach the start within 0.1 minutes"),
     ("connect", "the process group's start", 0.1,
      "opsd.py: rank 0: the process group's start did not end within 0.1 minutes"),
-    ("load", "the model's load", 0.2, "opsd.py: error: rank 1 did not reach the model's load within 0.2 minutes"),
+    ("load", "the model's load", 0.2, "opsd.py: error: rank 1 did not reach the model's load within 0.2 minutes "
+     "(--collective-timeout): rank 1 is in the model's load; the log of its node says where it stopped."),
     ("engine", "vLLM's start", 0.2, "opsd.py: rank 0: vLLM's start did not end within 0.2 minutes"),
 ]
 
@@ -184,6 +206,82 @@ def test_a_rank_stalled_before_the_first_step_ends_every_node_within_the_bound(s
     assert stuck in root_cause(reports[1]) and rank_0_says.split("opsd.py: ")[1] in root_cause(reports[0])
 
 
+def test_a_rank_killed_by_a_signal_in_a_phase_is_said_as_that_on_every_node(tiny_model_dir, tmp_path):
+    """Two nodes; rank 1 is SIGKILLed in the input checks (the host's OOM killer): its node's torchrun report names
+    the signal and the phase, and no time limit (before, its error file claimed the phase's limit, dated a minute past
+    it, so a rank torchrun ended later came first as the root cause); rank 0 names it at the agreement, with the
+    phase it is in, after --collective-timeout. On one node, where torchrun ends rank 0 at once, rank 1 is the root
+    cause."""
+    logs = tmp_path / "logs"
+    script = [str(ROOT / "tests" / "fault_launch.py"),
+              *flags(tiny_model_dir, tmp_path / "out", "--collective-timeout", "0.15")]
+    nodes = launch_two_nodes(script, logs, env={"FAULT": "signal:checks"})
+    reports, ends = [], []
+    try:
+        for node in nodes:
+            reports.append(node.communicate(timeout=300)[1])
+            ends.append(time.time())
+    finally:
+        stop_nodes(nodes)
+    fault_at, _ = fault_time(rank_stderr(logs, 1))
+    assert [end - fault_at < 2 + 9 + BOUND_S for end in ends] == [True, True], (ends, fault_at)
+    cause = root_cause(reports[1])
+    assert "exitcode  : -9" in cause and "SIGKILL" in cause, cause
+    assert "traceback : opsd.py: rank 1: ended during the input checks, begun at " in cause, cause
+    assert "limit" not in cause and "did not end" not in cause
+    rank0 = rank_stderr(logs, 0)
+    sentence = ("opsd.py: error: rank 1 did not reach the input checks within 0.15 minutes (--collective-timeout): "
+                "rank 1 is in the input checks; the log of its node says where it stopped.")
+    assert said(rank0, sentence) == 1 and said(rank0, "opsd.py: ") == 1, rank0[-3000:]
+    assert sentence.split("opsd.py: ")[1] in root_cause(reports[0])
+    # on one node torchrun SIGTERMs rank 0 when rank 1 ends: its report's root cause is rank 1 still
+    code, torchrun, ranks, elapsed = launch(tiny_model_dir, tmp_path / "one-node", "signal:checks")
+    cause = root_cause(torchrun)
+    assert code != 0 and elapsed is not None and elapsed < 2 + BOUND_S, (elapsed, torchrun[-2000:])
+    assert "rank      : 1 (local_rank: 1)" in cause and "SIGKILL" in cause, cause
+    assert "traceback : opsd.py: rank 1: ended during the input checks, begun at " in cause, cause
+
+
+def test_a_frozen_node_0_ends_every_rank_within_the_agreements_bound(tiny_model_dir, tmp_path):
+    """Two nodes; node 0's torchrun agent, which keeps the store, stops (SIGSTOP: a hung host, a network that drops
+    without a reset) while both ranks are at the start's agreement. The store's client reads its reply without a bound
+    (torch's TCPStore::doWait, after its timeout, reads the reply to its cancel with no limit), so each rank ends by
+    the agreement's own limit, 1.1 x --collective-timeout, with its line (before, they waited until node 0 came back).
+    Node 0's agent, resumed, reports its rank's line."""
+    logs = tmp_path / "logs"
+    frozen = tmp_path / "frozen"
+    script = [str(ROOT / "tests" / "fault_launch.py"),
+              *flags(tiny_model_dir, tmp_path / "out", "--collective-timeout", "0.1")]
+    nodes = launch_two_nodes(script, logs, env={"FAULT": f"freeze:{frozen}"})
+    try:
+        while "fault at " not in rank_stderr(logs, 1):
+            assert nodes[1].poll() is None, rank_stderr(logs, 1)[-2000:]
+            time.sleep(0.1)
+        os.kill(nodes[0].pid, signal.SIGSTOP)  # the agent alone; its rank runs on
+        stopped = time.time()
+        frozen.touch()
+        report1 = nodes[1].communicate(timeout=120)[1]
+        end1 = time.time()
+        line = ("the agreement on the start did not end within 0.11 minutes (1.1 x --collective-timeout: torchrun's "
+                "store on node 0 did not answer)")
+        while f"opsd.py: rank 0: {line}" not in rank_stderr(logs, 0) and time.time() < stopped + 60:
+            time.sleep(0.1)
+        end0 = time.time()
+        os.kill(nodes[0].pid, signal.SIGCONT)
+        report0 = nodes[0].communicate(timeout=60)[1]
+    finally:
+        if nodes[0].poll() is None:
+            os.kill(nodes[0].pid, signal.SIGCONT)
+        stop_nodes(nodes)
+    assert end1 - stopped < 6.6 + BOUND_S and end0 - stopped < 6.6 + BOUND_S, (end1 - stopped, end0 - stopped)
+    for node, report in enumerate((report0, report1)):
+        ours = rank_stderr(logs, node)
+        assert said(ours, f"opsd.py: rank {node}: {line}") == 1 and said(ours, "opsd.py: ") == 1, ours[-3000:]
+        assert "in exchange" in ours  # the stack: where it waited
+        assert f"opsd.py: rank {node}: {line}" in root_cause(report), report[-2000:]
+    assert nodes[0].returncode != 0 and nodes[1].returncode != 0
+
+
 @pytest.mark.parametrize("fault, extra, sentence", [
     ("no-cuda", ["--device", "auto"], f"rank 1: --device auto: torch {torch.__version__} sees no GPU (a driver too old "
                                       "for CUDA 13.0, CUDA_VISIBLE_DEVICES, a container without GPUs?): make one "
@@ -197,7 +295,8 @@ def test_a_node_refused_before_the_process_group_exists_ends_every_node_at_once(
     logs = tmp_path / "logs"
     script = [str(ROOT / "tests" / "fault_launch.py"),
               *flags(tiny_model_dir, tmp_path / "out", "--collective-timeout", "5", *extra)]
-    nodes = launch_two_nodes(script, logs, env={"FAULT": fault})
+    # rank 0's wandb needs no API key offline (one without is refused too: test_errors.py)
+    nodes = launch_two_nodes(script, logs, env={"FAULT": fault, "WANDB_MODE": "offline"})
     try:
         reports = [node.communicate(timeout=120)[1] for node in nodes]
         end = time.time()
@@ -214,14 +313,17 @@ def test_a_node_refused_before_the_process_group_exists_ends_every_node_at_once(
 
 def test_a_phase_over_its_time_limit_ends_the_rank_with_its_line_and_where_it_waited(tmp_path):
     """A healthy phase cancels its limit (the rank lives on past it); one that stalls ends the rank at its limit, with
-    one line and every thread's stack; during a phase, torchrun's report holds what to say should the rank end there
-    (faulthandler's own exit, or torchrun's kill), and nothing after it."""
+    one line and every thread's stack. During a phase, torchrun's report holds the phase and when it began, claiming
+    no limit (a signal may end the rank there: torchrun's exit code names it), dated as the phase's start (the rank
+    failing there is torchrun's root cause, before the ranks torchrun ends after it); nothing after it."""
     error_file = tmp_path / "error.json"
     code = ("import json, time, opsd\n"
+            "began = time.time()\n"
             "with opsd.time_limit('a healthy phase', 0.02):\n"
-            "    print(json.loads(open(%r).read())['message'], flush=True)\n"
+            "    time.sleep(1.1)\n"
+            "    print(json.dumps(json.loads(open(%r).read())), began, flush=True)\n"
             "time.sleep(2)\n"
-            "import os; print(os.path.exists(%r), flush=True)\n"
+            "import os; print(os.path.exists(%r), time.time(), flush=True)\n"
             "with opsd.time_limit('a stalled phase', 0.02):\n"
             "    time.sleep(60)\n" % (str(error_file), str(error_file)))
     start = time.time()
@@ -229,20 +331,28 @@ def test_a_phase_over_its_time_limit_ends_the_rank_with_its_line_and_where_it_wa
                           env={**os.environ, "TORCHELASTIC_ERROR_FILE": str(error_file)})
     elapsed = time.time() - start
     assert proc.returncode == 1 and elapsed < 30, (elapsed, proc.stderr[-2000:])
-    assert proc.stdout.splitlines() == [
-        "opsd.py: rank 0: ended during a healthy phase (its limit: 0.02 minutes, --collective-timeout)", "False"]
+    during, after = proc.stdout.splitlines()
+    report, began = json.loads(during.rsplit(" ", 1)[0]), float(during.rsplit(" ", 1)[1])
+    clock = time.strftime("%H:%M:%S", time.localtime(report["timestamp"]))
+    assert report["message"] == f"opsd.py: rank 0: ended during a healthy phase, begun at {clock}", report
+    assert int(began) <= report["timestamp"] <= began + 1, (report, began)
+    assert after.split()[0] == "False"
     line = "opsd.py: rank 0: a stalled phase did not end within 0.02 minutes (--collective-timeout)"
-    assert proc.stderr.startswith(line) and 'File "<string>", line 7 in <module>' in proc.stderr, proc.stderr
-    assert json.loads(error_file.read_text())["message"].startswith(line)
+    assert proc.stderr.startswith(line) and 'File "<string>", line 9 in <module>' in proc.stderr, proc.stderr
+    report = json.loads(error_file.read_text())
+    assert report["message"].startswith(line) and int(float(after.split()[1])) <= report["timestamp"], report
+    assert report["timestamp"] <= float(after.split()[1]) + 1  # the stalled phase's start, not the end 1.2 s later
 
 
 def test_an_agreement_names_a_rank_that_did_not_come_and_passes_on_a_failure(monkeypatch):
-    """Through a real store, as rank 0 of three: its key for the n-th agreement is opsd/<restart>/<n>/<rank>."""
+    """Through a real store, as rank 0 of three: its key for the n-th agreement on a phase is
+    opsd/<restart>/<phase>/<n>/<rank>, so ranks on different paths never pair; a missing rank is named with the phase
+    it is in (opsd/<restart>/at/<rank>)."""
     store = dist.TCPStore("127.0.0.1", 0, 1, True, timeout=timedelta(seconds=30))
     monkeypatch.setattr(opsd, "STORE", store)
     monkeypatch.setattr(opsd, "WORLD_SIZE", 3)
-    monkeypatch.setattr(opsd, "AGREEMENTS", [])
-    store.set("opsd/0/1/2", "")  # rank 2 agrees; rank 1 never comes
+    monkeypatch.setattr(opsd, "AGREEMENTS", {})
+    store.set("opsd/0/a test's phase/1/2", "")  # rank 2 agrees; rank 1 never comes
     start = time.time()
     with pytest.raises(opsd.Refusal) as refusal:
         with opsd.ranks_agree("a test's phase", 0.02):
@@ -250,8 +360,15 @@ def test_an_agreement_names_a_rank_that_did_not_come_and_passes_on_a_failure(mon
     assert 1.2 <= time.time() - start < 10
     assert str(refusal.value) == ("rank 1 did not reach a test's phase within 0.02 minutes (--collective-timeout): "
                                   "the log of its node says where it stopped.")
-    store.set("opsd/0/2/1", "a test's refusal")  # the second agreement: rank 1 refuses, rank 2 agrees
-    store.set("opsd/0/2/2", "")
+    store.set("opsd/0/another phase/1/2", "")  # rank 2 is at another phase's first agreement, rank 1 in its work
+    store.set("opsd/0/at/1", "another phase")
+    with pytest.raises(opsd.Refusal) as refusal:
+        with opsd.ranks_agree("another phase", 0.02):
+            pass
+    assert str(refusal.value) == ("rank 1 did not reach another phase within 0.02 minutes (--collective-timeout): rank 1 "
+                                  "is in another phase; the log of its node says where it stopped.")
+    store.set("opsd/0/a test's phase/2/1", "a test's refusal")  # the second on the first phase: rank 1 refuses
+    store.set("opsd/0/a test's phase/2/2", "")
     with pytest.raises(opsd.Refusal) as refusal:
         with opsd.ranks_agree("a test's phase", 0.02):
             pass
@@ -259,7 +376,8 @@ def test_an_agreement_names_a_rank_that_did_not_come_and_passes_on_a_failure(mon
     with pytest.raises(OSError):  # the third: this rank fails, and says so for the others, who need not wait
         with opsd.ranks_agree("a test's phase", 0.02):
             raise OSError("a test's failure")
-    assert store.get("opsd/0/3/0").decode() == "a test's phase failed (OSError): the log of its node says why."
+    assert store.get("opsd/0/a test's phase/3/0").decode() == ("a test's phase failed (OSError): the log of its node "
+                                                              "says why.")
 
 
 def test_on_gpus_the_process_group_connects_gloo_first_and_makes_nccls_communicator_at_once(monkeypatch):

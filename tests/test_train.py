@@ -234,7 +234,8 @@ def test_a_kill_of_one_rank_ends_the_other_in_one_line_and_the_run_resumes_to_th
 def test_checkpoint_holds_what_a_resume_needs_and_restoring_leaves_the_rng_alone(entry_run, tiny_model_dir):
     out, _ = entry_run
     state = torch.load(out / "checkpoint-2" / "trainer_state.pt", weights_only=True)
-    assert set(state) == {"step", "optimizer", "kl_window"} and state["step"] == 2
+    assert set(state) == {"step", "optimizer", "kl_window", "format"} and state["step"] == 2
+    assert state["format"] == opsd.CHECKPOINT_FORMAT
     recorded = json.loads((out / "args.json").read_text())  # the flags and the run's contents, recorded once
     assert set(recorded) - set(vars(opsd.parse_args([]))) == {"prompt_ids_sha256", "model_sha256", "device_type"}
     assert recorded["device_type"] == "cpu" and recorded["clip"] == "entry" and recorded["model_sha256"]
@@ -493,7 +494,8 @@ def test_ranks_resuming_from_different_checkpoints_are_refused_before_any_loads_
     checkpoint is cut short refuses, naming its file, and every rank with it. Both before any rank loads a model."""
     elsewhere = tmp_path / "copy"
     shutil.copytree(entry_run[0], elsewhere, ignore=shutil.ignore_patterns("final", "checkpoint-4"))
-    sentence = "opsd.py: error: --resume: ranks see checkpoints 2 to 4 as the newest: use one --output-dir."
+    sentence = ("opsd.py: error: --resume: ranks see checkpoints 2 to 4 as the newest (0: none): give every node one "
+                "--output-dir (a lagging shared filesystem?).")
     if copy == "bad copy":
         shutil.copytree(entry_run[0] / "checkpoint-4", elsewhere / "checkpoint-4")
         adapter = elsewhere / "checkpoint-4" / opsd.ADAPTER_WEIGHTS
