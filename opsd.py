@@ -923,18 +923,19 @@ def start_up(argv, run):
     """Everything before step 1, phase by phase, each within its time limit (T, from
     --collective-timeout); what a rank can get wrong is agreed by all ranks (ranks_agree), so
     every node says it. Returns what the loop needs."""
+    refusal = None
     try:
         args = parse_args(argv)
         minutes = args.collective_timeout
     except Refusal as e:  # said in the start's agreement, so that every node says it
-        args = e
+        refusal = e
         minutes = COLLECTIVE_TIMEOUT
 
     # ---- what a node can get wrong, agreed before the process group exists
     with ranks_agree("the start", minutes):
         connect_store(minutes)
-        if isinstance(args, Refusal):
-            raise args
+        if refusal is not None:
+            raise refusal
         run["args"] = args
         device = choose_device(args)
         check_launch(args)

