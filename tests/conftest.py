@@ -2,15 +2,19 @@
 
 import os
 import sys
+from contextlib import contextmanager
 from pathlib import Path
 
 # vLLM on CPU: a small KV cache, and the engine in this process so tests can reach its worker.
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+# vLLM's CPU sampler uncompiled (the same operations, eager) in this process and the ones it starts: torch compiles
+# it anew in each process that starts an engine, ~4 s, and the suite starts ~40. The runs that stand for a user's
+# (the README's quickstart, the miniature's quick run, eval.py as a user meets it) run as_a_user_would(), compiled.
 # ATEN_CPU_CAPABILITY=default (torch's plain kernels, as a CPU without AVX would run): torch 2.13's compiler then writes
-# vector code for vLLM's sampler that it cannot build, so the runs stay eager (the same operations, uncompiled)
-if os.environ.get("ATEN_CPU_CAPABILITY") == "default":
-    os.environ.setdefault("TORCH_COMPILE_DISABLE", "1")
+# vector code for the sampler that it cannot build, so there every run stays eager.
+COMPILE_SET_BEFORE = "TORCH_COMPILE_DISABLE" in os.environ
+os.environ.setdefault("TORCH_COMPILE_DISABLE", "1")
 
 TESTS = Path(__file__).resolve().parent
 # the unit tests import opsd.py and eval.py from the root and the scripts they test from their folders
@@ -19,6 +23,24 @@ sys.path[:0] = [str(TESTS.parent), str(TESTS), *(str(TESTS / d) for d in ("minia
 import pytest  # noqa: E402
 
 import make_tiny_model  # noqa: E402
+
+# the method's tests, what `python -m pytest tests -m method -q` runs after each edit of the loss or its port: the
+# loss against its float64 oracles, LoRA, the prompts and the batches' positions, the schedule, and the verifier's
+# kit on its own fixture (opsd.py and a correct port reproduce it, each defect is named, check 2's batches); the
+# verifier's catalogue of peers' forms (the rest of test_verify.py) runs with every test
+METHOD_FILES = ("test_loss.py", "test_lora.py", "test_prompts.py", "test_batches.py", "test_schedule.py")
+METHOD_KIT = ("test_the_fixture_speaks_a_peers_language",
+              "test_prompt_lengths_differ_within_every_micro_batch_on_both_sides",
+              "test_normalisations_are_told_apart_at_every_setting", "test_opsd_reproduces_the_fixture",
+              "test_a_correct_port_matches_at_every_setting_and_clip", "test_each_defect_is_named_and_no_other",
+              "test_opsd_batches_and_a_left_padded_batch_pass",
+              "test_a_pad_between_prompt_and_answer_fails_naming_the_row", "test_scored_positions_one_late_fail")
+
+
+def pytest_collection_modifyitems(items):
+    for item in items:
+        if item.path.name in METHOD_FILES or (item.path.name == "test_verify.py" and item.originalname in METHOD_KIT):
+            item.add_marker(pytest.mark.method)
 
 
 @pytest.fixture(scope="session")
@@ -35,6 +57,29 @@ def vllm_lora_engine(tiny_model_dir):
 
     return LLM(model=tiny_model_dir, dtype="float32", enforce_eager=True, seed=0, max_model_len=1024,
                enable_lora=True, max_lora_rank=8)
+
+
+def user_environment(environment=None):
+    """`environment` (os.environ's by default) as a user's shell has it: vLLM's sampler compiled, as torch does
+    unless told otherwise (the session turns that off above; not at ATEN_CPU_CAPABILITY=default, nor when the
+    caller of pytest set it)."""
+    environment = dict(os.environ if environment is None else environment)
+    if not COMPILE_SET_BEFORE and environment.get("ATEN_CPU_CAPABILITY") != "default":
+        environment.pop("TORCH_COMPILE_DISABLE", None)
+    return environment
+
+
+@contextmanager
+def as_a_user_would():
+    """os.environ as user_environment() gives it while the block runs (for the processes it starts)."""
+    saved = dict(os.environ)
+    os.environ.clear()
+    os.environ.update(user_environment(saved))
+    try:
+        yield
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
 
 
 def said(stderr, text):

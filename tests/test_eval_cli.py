@@ -10,14 +10,16 @@ import time
 from pathlib import Path
 
 import pytest
+from conftest import user_environment
 
 ROOT = Path(__file__).resolve().parent.parent
 DATA = ROOT / "tests" / "data" / "eval_tiny.jsonl"
 
 
 def eval_py(argv, **env):
-    """Run eval.py as a user would: vLLM's own settings unset (the test session sets some), `env` added."""
-    clean = {k: v for k, v in os.environ.items() if not k.startswith(("VLLM_", "HF_"))}
+    """Run eval.py as a user would: vLLM's own settings unset and its sampler compiled (the test session sets
+    otherwise), `env` added."""
+    clean = {k: v for k, v in user_environment().items() if not k.startswith(("VLLM_", "HF_"))}
     start = time.perf_counter()
     out = subprocess.run([sys.executable, str(ROOT / "eval.py"), *argv], capture_output=True, text=True,
                          env={**clean, **env}, cwd=ROOT, timeout=600)
@@ -114,7 +116,7 @@ def test_ctrl_c_says_what_was_kept_and_the_command_that_continues(tiny_model_dir
     # within 120 s while the whole suite ran, which a test the suite runs cannot afford.
     argv = ["--model", tiny_model_dir, "--data", f"tiny={DATA}", "--n", "64", "--max-new-tokens", "512",
             "--enforce-eager", "--output-dir", str(tmp_path)]
-    clean = {k: v for k, v in os.environ.items() if not k.startswith(("VLLM_", "HF_"))}
+    clean = {k: v for k, v in user_environment().items() if not k.startswith(("VLLM_", "HF_"))}
     proc = subprocess.Popen([sys.executable, str(ROOT / "eval.py"), *argv], stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, cwd=ROOT, start_new_session=True,
                             env={**clean, "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}, preexec_fn=as_at_a_terminal)

@@ -8,6 +8,8 @@ and independently; a fixed seed reproducing opsd.py's run exactly; the committed
 machinery on a few steps: results.json holds what eval.py scored, and an interrupted run resumes to the same
 results. (The gain itself: tests/test_quickstart.py.)"""
 
+import contextlib
+import io
 import json
 import os
 import random
@@ -16,6 +18,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from conftest import as_a_user_would
 import torch
 
 import eval as evaluation
@@ -613,11 +616,14 @@ def test_grpo_trains_from_opsds_parts(task, tmp_path):
 
 @pytest.fixture(scope="module")
 def quick_run(tmp_path_factory):
+    """miniature.py's main() in this process (its opsd.py and eval.py runs are processes of their own either way;
+    a new process for the script would add its imports, 4 s), they as a user's, vLLM's sampler compiled: the run's
+    directory and what it printed."""
     out = tmp_path_factory.mktemp("miniature")
-    cmd = [sys.executable, str(ROOT / "tests" / "miniature" / "miniature.py"), "--output-dir", str(out), *QUICK]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=1200, cwd=ROOT, env={**os.environ})
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    return out, proc.stdout
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed), as_a_user_would():
+        miniature.main(["--output-dir", str(out), *QUICK])
+    return out, printed.getvalue()
 
 
 def test_quick_run_records_what_eval_scored(quick_run):
@@ -647,17 +653,20 @@ QUICK = ["--quick", "--steps", "3"]  # the script's machinery, not its gain: a f
 
 
 def test_second_run_into_the_same_directory_is_refused(quick_run):
+    """In this process (a new one spends 4 s importing to say one sentence): a SystemExit with the sentence, which
+    Python prints alone, no traceback, and the run's files untouched."""
     out, _ = quick_run
-    proc = subprocess.run([sys.executable, str(ROOT / "tests" / "miniature" / "miniature.py"), "--output-dir", str(out),
-                           *QUICK], capture_output=True, text=True, timeout=120, cwd=ROOT)
-    assert proc.returncode != 0 and "--overwrite" in proc.stderr and "Traceback" not in proc.stderr
+    settings = (out / "settings.json").read_bytes()
+    with pytest.raises(SystemExit) as refused:
+        miniature.main(["--output-dir", str(out), *QUICK])
+    assert "--overwrite" in str(refused.value.code) and (out / "settings.json").read_bytes() == settings
 
 
-def test_an_interrupted_run_resumes_to_the_uninterrupted_results(quick_run):
+def test_an_interrupted_run_resumes_to_the_uninterrupted_results(quick_run, capsys):
     """A kill during the last evaluation, then --resume: the training is kept as it was, eval.py draws only the
     samples it lacks, and results.json holds the uninterrupted run's scores. Other settings are refused."""
     out, _ = quick_run
-    script = [sys.executable, str(ROOT / "tests" / "miniature" / "miniature.py"), "--output-dir", str(out), *QUICK]
+    flags = ["--output-dir", str(out), *QUICK]
     before = json.loads((out / "results.json").read_text())
     run = out / miniature.run_name("p1", miniature.QUICK_ARM, 1)
     trained = (run / "metrics.jsonl").read_bytes()
@@ -667,15 +676,17 @@ def test_an_interrupted_run_resumes_to_the_uninterrupted_results(quick_run):
     scored.write_text("".join(lines[:half]) + lines[half][:20])  # half of the samples and a line cut short
     (scored.parent / "summary.json").unlink()
     (out / "results.json").unlink()
-    refused = subprocess.run(script + ["--resume", "--steps", "4"], capture_output=True, text=True, timeout=120,
-                             cwd=ROOT)
-    assert refused.returncode != 0 and "--steps" in refused.stderr and "Traceback" not in refused.stderr
-    proc = subprocess.run(script + ["--resume"], capture_output=True, text=True, timeout=1200, cwd=ROOT)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    with pytest.raises(SystemExit) as refused:  # in this process, as the second run's refusal
+        miniature.main(flags + ["--resume", "--steps", "4"])
+    assert "--resume with other --steps than the run in " in str(refused.value.code)
+    capsys.readouterr()
+    with as_a_user_would():  # in this process, as the quick run: eval.py draws the rest as it drew the first half
+        miniature.main(flags + ["--resume"])
+    printed = capsys.readouterr().out
     after = json.loads((out / "results.json").read_text())
     assert after["heldout_avg"] == before["heldout_avg"] and after["transfer_avg"] == before["transfer_avg"]
     assert after["resumed"] and not before["resumed"]
-    assert (run / "metrics.jsonl").read_bytes() == trained and "training kept" in proc.stdout
+    assert (run / "metrics.jsonl").read_bytes() == trained and "training kept" in printed
     assert len(scored.read_text().splitlines()) == len(lines)
     assert after["timings"][run.name] == before["timings"][run.name]  # the first invocation's
 

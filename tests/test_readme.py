@@ -9,11 +9,22 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def test_ci_runs_the_readme_test_command():
+    """CI runs the README's install line and its test command, which lists the slowest tests; the method's command
+    beside it selects conftest.METHOD_FILES by the marker pytest.ini registers, and tests/README.md gives both."""
     readme = (ROOT / "README.md").read_text().splitlines()
     commands = [line.strip() for line in readme if "python -m pytest tests" in line]
-    assert len(commands) == 1, "README.md must give exactly one test command line"
+    assert commands == ["python -m pytest tests -q --durations=25", "python -m pytest tests -m method -q"], commands
+    install = [line.strip() for line in readme if line.strip().startswith("pip install")]
+    assert len(install) == 1, "README.md must give exactly one install line for the tests"
     ci = [line.strip() for line in (ROOT / ".ci" / "run").read_text().splitlines()]
-    assert commands[0] in ci
+    assert ci[-2:] == [install[0], commands[0]]
+    listed = (ROOT / "tests" / "README.md").read_text()
+    assert all(command in listed for command in commands)
+    import conftest
+    assert "method:" in (ROOT / "tests" / "pytest.ini").read_text()
+    assert conftest.METHOD_FILES and all((ROOT / "tests" / name).is_file() for name in conftest.METHOD_FILES)
+    kit = (ROOT / "tests" / "test_verify.py").read_text()
+    assert all(f"\ndef {name}(" in kit for name in conftest.METHOD_KIT)  # each still a test there
 
 
 def test_method_files_never_import_trl_or_peft():
