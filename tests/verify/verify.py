@@ -431,14 +431,7 @@ def describe(c, temperatures=True):
     elif c.support == "full":
         what += " over the whole vocabulary"
     elif c.support == "top-k":
-        how = "renormalised over them"
-        if c.tail:
-            how = "with a tail entry for the rest"
-        elif c.raw == "both":
-            how = "both sides' log-probs as they are"
-        elif c.raw:
-            how = f"the {other_side(c.raw)}'s renormalised over them, the {c.raw}'s as they are"
-        what += f" over the {c.by}'s top {c.k} entries, {how}"
+        what += f" over the {c.by}'s top {c.k} entries, {TOP_K[top_k_kind(c)]}"
     else:
         short = {"term": "its term there",
                  "estimate": "its one-sample estimate d_y / p_S(y)"}[c.form]
@@ -846,15 +839,11 @@ class Fit:
             out.append({"support": d.support, "by": d.by, "k": d.k, "tail": d.tail, "raw": d.raw,
                         "form": d.form, "clamp": d.clamp, "clip": d.clip})
         plain = {"form": "term", "raw": "", "tail": False}
+        top = {**plain, "support": "top-k", "by": "teacher", "clip": d.clip}
         if full:
             out += [{**plain, "support": "full", "clip": clip} for clip in CLIPS]
-        top_k_sides = []
-        if full:
-            top_k_sides = list(SIDES)
-        elif sparse:
-            top_k_sides = ["teacher"]
-        out += [{**plain, "support": "top-k", "by": by, "tail": tail, "clip": d.clip}
-                for by in top_k_sides for tail in (False, True)]
+        out += [{**top, "by": by, "tail": tail} for by in SIDES for tail in (False, True)
+                if full or (sparse and by == "teacher")]
         for form in SAMPLED_FORMS:
             for clamp in ((False, True) if form in ("term", "estimate") else (False,)):
                 for clip in dict.fromkeys((d.clip, "none")):
@@ -865,16 +854,11 @@ class Fit:
             out += [{**plain, "support": "full", "form": form, "clip": clip}
                     for form in ("mixed", "cross-entropy") for clip in clips]
         if full or sparse:
-            for form in ("term", "cross-entropy"):
-                out.append({**plain, "support": "top-k", "by": "teacher", "raw": "student",
-                            "form": form, "clip": d.clip})
-            out.append({**plain, "support": "top-k", "by": "teacher", "form": "cross-entropy",
-                        "clip": d.clip})
-            out.append({**plain, "support": "top-k", "by": "teacher", "raw": "both",
-                        "clip": d.clip})
+            out += [{**top, "raw": raw, "form": form} for raw, form in (
+                ("student", "term"), ("student", "cross-entropy"), ("", "cross-entropy"),
+                ("both", "term"))]
         if full:
-            out.append({**plain, "support": "top-k", "by": "student", "raw": "teacher",
-                        "clip": d.clip})
+            out.append({**top, "by": "student", "raw": "teacher"})
         return out
 
     def identify(self):
