@@ -1142,6 +1142,18 @@ def test_a_value_times_t_squared_is_named_as_such(model, reference, tmp_path):
     assert causes == set() and checks["divergence"].status == "matches", report
 
 
+class ShiftedAndScaled(ShiftedByOne, ScaledByTSquared):
+    """The toolkit's KL times T^2, every position one late."""
+
+
+def test_a_shifted_value_times_t_squared_is_named_twice(model, reference, tmp_path):
+    """From its values alone: the shift and the scale, each verified (after the shift every value is 1.21 x the
+    reference's), nothing else."""
+    path = dump_of(ShiftedAndScaled(), model, tmp_path, "forward-T1.1", "none", ("divergence",))
+    checks, causes, report = run_verifier(path, reference)
+    assert causes == {"shift:+1", "scale:T^2"}, report
+
+
 def test_a_kl_mixed_with_the_students_nll_is_named_with_its_weights(model, reference, tmp_path):
     """0.5 x forward KL + 0.5 x NLL: named `term:nll` alone with both weights, its size -47%; declared (scale 0.5,
     nll 0.5), it matches."""

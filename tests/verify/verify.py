@@ -658,9 +658,9 @@ class Fit:
     then every support, clip and sampled-token form, each with its free parameters (the temperatures
     where the numbers are logits, beta, tau, k) searched."""
 
-    def __init__(self, student, teacher, y, peer, kept, declared, tie=0.0):
+    def __init__(self, student, teacher, y, peer, kept, declared, tie=0.0, narrow=False):
         self.student, self.teacher, self.y, self.peer, self.kept = student, teacher, y, peer, kept
-        self.declared, self.tie = declared, tie
+        self.declared, self.tie, self.narrow = declared, tie, narrow  # narrow: the declared alone
         self.total = int(kept.sum())
         index = kept.nonzero()[:, 0]
         spread = torch.linspace(0, len(index) - 1, min(FIT_POSITIONS, len(index)))
@@ -871,6 +871,8 @@ class Fit:
         found = []
         temperatures = ("student_t", "teacher_t")
         structures = self.structures()
+        if self.narrow:
+            structures = structures[:1]
         for fit_temperatures in (False, True):
             if fit_temperatures:
                 if not (self.student.free or self.teacher.free):
@@ -1420,6 +1422,9 @@ def compare_side(ref, dump, side, declared, size, divided=False, inferred=False,
     reading = diagnose({h: c for h, (_, c) in hypotheses.items()}, errs, matched, ref.lengths,
                        {side: ref.shorter(side, size)})
     found, causes = reading.lines, reading.causes
+    if not reading.explained:  # a hypothesis that explains some positions only is no verified cause
+        causes = []
+        found.append("no hypothesis tried explains every position: nothing is named")
     offset = hypotheses[reading.best][0].get("offset", 0)
     at, fitted = hypotheses[reading.best][0]["temperature"], fits[offset]
     notes = notes.get(reading.best, {})
@@ -1829,20 +1834,35 @@ def compare_divergence(ref, dump, declared, skip, size, divided=False, own_promp
     reading = read(hypotheses)
     notes, identified = {}, None
     if not reading.explained:
-        numbers = reference_numbers(ref, rows)
-        numbers["student"].ratio = ratio
-        fit = Fit(numbers["student"], numbers["teacher"], y, P, kept, declared, TOL_LOGPROB)
-        count, c, note = fit.identify()[0]
+        found = []  # fitted where a shift puts the positions too; the most positions matched
+        for offset in (0, 1, -1):
+            numbers = reference_numbers(ref, rows, offset)
+            if offset:  # shifted, at the declared temperatures (not fitted there)
+                numbers = {side: Numbers(logprobs=x.log_probs(getattr(declared, f"{side}_t")))
+                           for side, x in numbers.items()}
+            numbers["student"].ratio = ratio
+            fit = Fit(numbers["student"], numbers["teacher"], y, P, kept, declared, TOL_LOGPROB,
+                      bool(offset))
+            found.append((*fit.identify()[0], offset, fit))
+            if found[-1][0] == total:
+                break
+        count, c, note, offset, fit = max(found, key=lambda f: f[0])
         if count > total // 2:  # a majority: the positions it leaves are read by their pattern
             changes = differences(c, declared, note)
             label = describe(c)
             trial = dict(hypotheses)
+            undo[label] = {cause: fit.values(undone(c, cause, declared)) for cause, _ in changes}
+            if offset:
+                label += f", positions shifted by {offset:+d}"
+                changes.append((f"shift:{offset:+d}", None))
+                unshifted = reference_numbers(ref, rows)
+                unshifted["student"].ratio = ratio
+                undo[label] = {**undo.pop(describe(c)), changes[-1][0]: config_values(
+                    c, unshifted["student"], unshifted["teacher"], y, P, TOL_LOGPROB)}
             trial[label] = (fit.values(c), [cause for cause, _ in changes])
             second = read(trial)
             if second.explained:
                 reading, hypotheses, notes = second, trial, dict(changes)
-                undo[label] = {cause: fit.values(undone(c, cause, declared))
-                               for cause, _ in changes}
                 identified = f"the value: {kind_of(c)}, {label}"
                 if count == total:
                     identified += f": all {total} positions within tolerance"
@@ -1850,10 +1870,12 @@ def compare_divergence(ref, dump, declared, skip, size, divided=False, own_promp
             reading.lines.append(f"the nearest configuration tried, {describe(c)}, matches {count} "
                                  f"of {total} positions ({count / total:.0%})")
     causes = list(reading.causes)
-    if not reading.explained:
+    if not reading.explained:  # what explains some positions only is no verified cause
         reading.lines.append("no configuration tried explains your values within tolerance")
         identified = "the value: no configuration tried explains it"
-        causes.append("value:unexplained")
+        causes = ["value:unexplained"]
+        hypotheses[reading.best] = (asked, [])
+        reading.positions[None] = {r: ~m[skip:] for r, m in per_row(close(P, asked)).items()}
     best = hypotheses[reading.best][0]
     sizes = {}
     for cause in causes:
