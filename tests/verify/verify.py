@@ -1469,6 +1469,9 @@ def compare_side(ref, dump, side, declared, size, divided=False, inferred=False,
         residual = max_error(errs[student_like])
         identified = f"{side}: the student's log-probs (the teacher given the student's prompt), " \
                      f"|delta log p| up to {residual:.1e}"
+    if not reading.explained:
+        identified = f"{side}: no hypothesis tried explains every position (|delta log p| up to " \
+                     f"{max_error(errs['the fixture']):.1e} from the declared)"
     return Check(name, "matches" if ok else "differs", [head, *found[1:]], causes,
                  {c: n for c, n in notes.items() if c in causes}, identified, sizes)
 
