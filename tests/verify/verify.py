@@ -70,36 +70,47 @@ def row_logits(model, prompt, completion, gap=0):
     return out[P - 2:P + L]
 
 
-def divergence_terms(log_s, log_t, beta, form="term", w=0.5):
+# The terms a value over several entries is a weighted sum of (Config.weights), each entry's:
+#   the divergence of beta:
+#     beta 0:  p_T(v) (log p_T(v) - log p_S(v))                  forward KL(T || S)
+#     beta 1:  p_S(v) (log p_S(v) - log p_T(v))                  reverse KL(S || T)
+#     else:    beta KL_v(T || M) + (1 - beta) KL_v(S || M),      M = beta p_T + (1 - beta) p_S
+#   the reverse KL, p_S(v) (log p_S(v) - log p_T(v)), whatever beta;
+#   the cross-entropy, -p_T(v) log p_S(v), whose sum is KL(T || S) plus the teacher's entropy.
+# A zero probability contributes zero, whatever its log. The declared forms are weights of these:
+# "term" the divergence alone, "mixed:W" W times the forward KL (beta 0) and 1 - W the reverse,
+# "cross-entropy" the cross-entropy alone.
+PLAIN = (1.0, 0.0, 0.0)
+CROSS_ENTROPY = (0.0, 0.0, 1.0)
+
+
+def divergence_terms(log_s, log_t, beta, weights=PLAIN):
     """(..., V) terms d_v whose sum over the vocabulary is the position's value, from both sides'
-    log-probs at the loss temperature. Form "term", the divergence of beta:
-      beta 0:  p_T(v) (log p_T(v) - log p_S(v))                  forward KL(T || S)
-      beta 1:  p_S(v) (log p_S(v) - log p_T(v))                  reverse KL(S || T)
-      else:    beta KL_v(T || M) + (1 - beta) KL_v(S || M),      M = beta p_T + (1 - beta) p_S
-    Form "mixed", the two KLs weighted by w (beta unused): w KL_v(T || S) + (1 - w) KL_v(S || T).
-    Form "cross-entropy": -p_T(v) log p_S(v), whose sum is KL(T || S) plus the teacher's entropy.
-    A zero probability contributes zero, whatever its log."""
+    log-probs at the loss temperature: the terms above, weighted."""
     def term(log_p, log_q):  # p (log p - log q), 0 where p = 0
         p = log_p.exp()
         return torch.where(p > 0, p * (log_p - log_q), torch.zeros_like(p))
 
-    if form == "mixed":
-        return w * term(log_t, log_s) + (1.0 - w) * term(log_s, log_t)
-    if form == "cross-entropy":
+    def of_beta():
+        if beta == 0.0:
+            return term(log_t, log_s)
+        if beta == 1.0:
+            return term(log_s, log_t)
+        log_m = torch.log(beta * log_t.exp() + (1.0 - beta) * log_s.exp())
+        return beta * term(log_t, log_m) + (1.0 - beta) * term(log_s, log_m)
+
+    def cross_entropy():
         p_t = log_t.exp()
         return torch.where(p_t > 0, -p_t * log_s, torch.zeros_like(p_t))
-    if beta == 0.0:
-        return term(log_t, log_s)
-    if beta == 1.0:
-        return term(log_s, log_t)
-    log_m = torch.log(beta * log_t.exp() + (1.0 - beta) * log_s.exp())
-    return beta * term(log_t, log_m) + (1.0 - beta) * term(log_s, log_m)
+
+    parts = (of_beta, lambda: term(log_s, log_t), cross_entropy)
+    return sum(w * part() for w, part in zip(weights, parts) if w)
 
 
-def divergence(log_s, log_t, *, beta, clip, tau, form="term", w=0.5):
+def divergence(log_s, log_t, *, beta, clip, tau, weights=PLAIN):
     """(...,) each position's loss term: "entry" clips each d_v at tau before the sum, "token" clips
     the sum at tau, "none" leaves it."""
-    d = divergence_terms(log_s, log_t, beta, form, w)
+    d = divergence_terms(log_s, log_t, beta, weights)
     if clip == "entry":
         return d.clamp(max=tau).sum(-1)
     k = d.sum(-1)
@@ -318,12 +329,11 @@ class Config(NamedTuple):
     clip ("none", "entry", "token") at tau, and the support the value is taken over. The support:
     "full" (the whole vocabulary), "top-k" (the top k entries of side `by`, renormalised over them,
     with a tail entry for the rest, or with the side named by `raw` kept as it is) or
-    "sampled-token" (the answer token alone). The form, over the whole vocabulary or a top k: "term"
-    (the divergence of beta: 0 the forward KL, 1 the reverse, between the generalized JSD), "mixed"
-    (w KL(T || S) + (1 - w) KL(S || T)) or "cross-entropy" (divergence_terms); at the sampled token,
-    one of SAMPLED_FORMS, the halves of "term" and "estimate" clamped at >= 0 or not. The value is
-    composed: `scale` times the form's value over the support, plus `nll` times the student's
-    negative log-likelihood of y (config_values)."""
+    "sampled-token" (the answer token alone). The value is composed: `scale` times a weighted sum
+    of terms over the support, plus `nll` times the student's negative log-likelihood of y
+    (config_values). The terms: over several entries, the divergence of beta, the reverse KL and the
+    cross-entropy, weighted by `weights` (divergence_terms); at the sampled token, `form`, one of
+    SAMPLED_FORMS, the halves of "term" and "estimate" clamped at >= 0 or not."""
     student_t: float
     teacher_t: float
     beta: float
@@ -336,7 +346,7 @@ class Config(NamedTuple):
     form: str = "term"
     clamp: bool = False
     raw: str = ""
-    w: float = 0.5
+    weights: tuple = PLAIN
     scale: float = 1.0
     nll: float = 0.0
 
@@ -365,23 +375,32 @@ def parse_support(text):
 
 
 def parse_form(text):
-    """Config fields of a declared form: "term", "cross-entropy" or "mixed:W" (W from 0 to 1); None
-    if it is none of these."""
+    """Config fields of a declared form, the weights of the terms: "term", "cross-entropy" or
+    "mixed:W" (W from 0 to 1, the forward KL at beta 0); None if it is none of these."""
     parts = text.split(":")
     if parts in (["term"], ["cross-entropy"]):
-        return {"form": parts[0]}
+        return {"weights": {"term": PLAIN, "cross-entropy": CROSS_ENTROPY}[parts[0]]}
     if parts[0] == "mixed" and len(parts) == 2:
         try:
             w = float(parts[1])
         except ValueError:
             return None
         if 0.0 <= w <= 1.0:
-            return {"form": "mixed", "w": w}
+            return {"weights": (w, 1.0 - w, 0.0), "beta": 0.0}
     return None
 
 
+def form_name(c):
+    """The form the weights make, as its cause names it."""
+    if c.weights[1]:
+        return "mixed"
+    if c.weights[2]:
+        return "cross-entropy"
+    return "term"
+
+
 def uses_beta(c):
-    return c.form in ("term", "estimate")
+    return c.form == "estimate" or (c.form == "term" and c.weights == PLAIN)
 
 
 def other_side(side):
@@ -406,7 +425,7 @@ def scale_name(c):
 
 def kind_of(c):
     if c.support != "sampled-token":
-        if c.form == "cross-entropy":
+        if form_name(c) == "cross-entropy":
             return "a cross-entropy"
         return "a divergence"
     kind = SAMPLED_FORMS[c.form][0]
@@ -422,9 +441,9 @@ def describe(c, temperatures=True):
     nothing)."""
     what = {0.0: "forward KL (beta 0)", 1.0: "reverse KL (beta 1)"}.get(
         c.beta, f"generalized JSD (beta {c.beta:.4g})")
-    if c.form == "mixed":
-        what = f"w KL(T || S) + (1 - w) KL(S || T) with w {c.w:.4g}"
-    elif c.form == "cross-entropy":
+    if form_name(c) == "mixed":
+        what = f"w KL(T || S) + (1 - w) KL(S || T) with w {c.weights[0]:.4g}"
+    elif form_name(c) == "cross-entropy":
         what = "the cross-entropy -sum p_T log p_S (the forward KL plus the teacher's entropy)"
     if c.support == "sampled-token" and not uses_beta(c):
         what = SAMPLED_FORMS[c.form][1]
@@ -479,21 +498,18 @@ def differences(found, declared, k_note=None):
         out.append((f"sampled-token:{found.form}", kind_of(found)))
     elif found.support == "full" and declared.support != "full":
         out.append(("support:full", None))
-    if found.support != "sampled-token":
-        asked = declared.form
-        if declared.support == "sampled-token":
-            asked = "term"
-        if found.form != asked:
-            note = None
-            if found.form == "mixed":
-                note = f"w {found.w:.4g}"
-            out.append((f"form:{found.form}", note))
-        elif found.form == "mixed" and abs(found.w - declared.w) > 1e-3:
-            out.append(("form:mixed", f"w {found.w:.4g}, {declared.w:g} declared"))
+    moved = any(abs(a - b) > 1e-3 for a, b in zip(found.weights, declared.weights))
+    if found.support != "sampled-token" and moved:
+        note = None
+        if form_name(found) == "mixed":
+            note = f"w {found.weights[0]:.4g}"
+            if form_name(declared) == "mixed":
+                note += f", {declared.weights[0]:g} declared"
+        out.append((f"form:{form_name(found)}", note))
     if found.support == "sampled-token" and found.clamp != declared.clamp:
         out.append(("clamp:halves" if found.clamp else "clamp:none", None))
     beta_moved = abs(found.beta - declared.beta) > 1e-3
-    if uses_beta(found) and declared.form not in ("mixed", "cross-entropy") and beta_moved \
+    if uses_beta(found) and declared.weights == PLAIN and beta_moved \
             and not same(found.beta, declared.beta, 1e-6):
         note = f"beta {found.beta:.4g}, {declared.beta:g} declared"
         if declared.beta in (0.0, 1.0) and found.beta == 1.0 - declared.beta:
@@ -591,7 +607,7 @@ def form_values(c, student, teacher, y, peer=None, tie=0.0):
             value = value.clamp(max=c.tau)
         return value
     log_s, log_t = student.log_probs(c.student_t), teacher.log_probs(c.teacher_t)
-    terms = {"beta": c.beta, "clip": c.clip, "tau": c.tau, "form": c.form, "w": c.w}
+    terms = {"beta": c.beta, "clip": c.clip, "tau": c.tau, "weights": c.weights}
     if c.support == "full":
         return divergence(log_s, log_t, **terms)
     side = student
@@ -686,8 +702,6 @@ class Fit:
         names = [f"{side}_t" for side, x in zip(SIDES, (self.student, self.teacher)) if x.free]
         if uses_beta(c):
             names.append("beta")
-        if c.form == "mixed":
-            names.append("w")
         if c.clip != "none":
             names.append("tau")
         return names
@@ -700,8 +714,6 @@ class Fit:
         if name == "beta":  # the ends are the KLs, not the JSD's limits: tried apart
             inside = minimise(at, 1e-3, 1.0 - 1e-3)
             moved = c._replace(beta=min((0.0, 1.0, inside), key=at))
-        elif name == "w":  # its ends are the KLs, which beta's ends give
-            moved = c._replace(w=minimise(at, 1e-3, 1.0 - 1e-3))
         elif name == "tau":
             moved = c._replace(tau=minimise(at, *TAUS, log=True))
         elif name == "temperature":  # one loss temperature on both sides
@@ -802,24 +814,42 @@ class Fit:
         return best
 
     def composed(self, c):
-        """c with the composition's linear parts fitted by least squares, each position weighted by
-        its tolerance: its scale alone, then its scale with a weight of the student's negative
-        log-likelihood of y (the scale put at T^2 or the declared one where it is that); c itself
-        where neither matches more positions."""
-        plain = c._replace(scale=1.0, nll=0.0)
-        form = form_values(plain, self.student, self.teacher, self.y, self.peer, self.tie)
+        """c with the composition's weights fitted by least squares, each position weighted by its
+        tolerance: the weights of c's terms (those it weights), without and then with a weight of
+        the student's negative log-likelihood of y; their sum is the scale (put at T^2 or the
+        declared one where it is that), the terms' weights its shares (the declared ones where they
+        are those). c itself where neither matches more positions."""
+        terms = [i for i, w in enumerate(c.weights) if w]
+        if c.support == "sampled-token":
+            terms = [0]
+        columns = []
+        for i in terms:
+            unit = c._replace(scale=1.0, nll=0.0, weights=tuple(float(i == j) for j in range(3)))
+            columns.append(form_values(unit, self.student, self.teacher, self.y, self.peer,
+                                       self.tie))
         nll = -self.student.of_token(c.student_t, self.y)
-        keep = self.kept & form.isfinite() & nll.isfinite()
+        keep = self.kept & nll.isfinite()
+        for x in columns:
+            keep &= x.isfinite()
         weight = 1.0 / (TOL_DIVERGENCE[0] + TOL_DIVERGENCE[1] * self.peer[keep].abs())
         best, n = c, self.count(c)
-        for columns in ([form], [form, nll]):
-            a = torch.stack([x[keep] for x in columns], -1) * weight[:, None]
+        for extra in ([], [nll]):
+            a = torch.stack([x[keep] for x in columns + extra], -1) * weight[:, None]
             solution = torch.linalg.lstsq(a, self.peer[keep] * weight).solution.tolist() + [0.0]
-            scale = solution[0]
+            scale = sum(solution[:len(terms)])
+            if not scale:
+                continue
+            weights = [0.0, 0.0, 0.0]
+            for i, x in zip(terms, solution):
+                weights[i] = x / scale
+            if max(abs(a - b) for a, b in zip(weights, self.declared.weights)) <= 1e-4:
+                weights = self.declared.weights
             for exact in (self.declared.scale, c.student_t ** 2):
                 if same(scale, exact, 1e-4):
                     scale = exact
-            trial = plain._replace(scale=scale, nll=solution[1])
+            trial = c._replace(scale=scale, nll=solution[len(terms)], weights=tuple(weights))
+            if c.support == "sampled-token":
+                trial = trial._replace(weights=c.weights)
             if self.count(trial) > n:
                 best, n = trial, self.count(trial)
         return best
@@ -837,8 +867,8 @@ class Fit:
         if full or d.support == "sampled-token" or (sparse and d.support == "top-k"
                                                     and d.by == "teacher"):
             out.append({"support": d.support, "by": d.by, "k": d.k, "tail": d.tail, "raw": d.raw,
-                        "form": d.form, "clamp": d.clamp, "clip": d.clip})
-        plain = {"form": "term", "raw": "", "tail": False}
+                        "form": d.form, "weights": d.weights, "clamp": d.clamp, "clip": d.clip})
+        plain = {"form": "term", "weights": PLAIN, "raw": "", "tail": False}
         top = {**plain, "support": "top-k", "by": "teacher", "clip": d.clip}
         if full:
             out += [{**plain, "support": "full", "clip": clip} for clip in CLIPS]
@@ -847,16 +877,16 @@ class Fit:
         for form in SAMPLED_FORMS:
             for clamp in ((False, True) if form in ("term", "estimate") else (False,)):
                 for clip in dict.fromkeys((d.clip, "none")):
-                    out.append({"support": "sampled-token", "form": form, "clamp": clamp,
-                                "clip": clip})
-        clips = dict.fromkeys((d.clip, "none"))
+                    out.append({"support": "sampled-token", "form": form, "weights": PLAIN,
+                                "clamp": clamp, "clip": clip})
+        # the other weights of the terms (their shares fitted by least squares, Fit.composed)
+        mixed, entropy = {"weights": (0.5, 0.5, 0.0), "beta": 0.0}, {"weights": CROSS_ENTROPY}
         if full:
-            out += [{**plain, "support": "full", "form": form, "clip": clip}
-                    for form in ("mixed", "cross-entropy") for clip in clips]
+            out += [{**plain, **form, "support": "full", "clip": clip}
+                    for form in (mixed, entropy) for clip in dict.fromkeys((d.clip, "none"))]
         if full or sparse:
-            out += [{**top, "raw": raw, "form": form} for raw, form in (
-                ("student", "term"), ("student", "cross-entropy"), ("", "cross-entropy"),
-                ("both", "term"))]
+            out += [{**top, **form, "raw": raw} for raw, form in (
+                ("student", {}), ("student", entropy), ("", entropy), ("both", {}))]
         if full:
             out.append({**top, "by": "student", "raw": "teacher"})
         return out
@@ -1628,10 +1658,10 @@ def reference_numbers(ref, rows, offset=0, padded=(), size=None):
 
 REVERTS = {  # a cause's kind: the Config fields that undoing it puts back to the declared ones
     "temperature": ("student_t", "teacher_t"), "beta": ("beta",), "tau": ("tau",),
-    "clip": ("clip", "tau"), "clamp": ("clamp",), "form": ("form", "w"),
+    "clip": ("clip", "tau"), "clamp": ("clamp",), "form": ("weights", "beta"),
     "top-k": ("support", "by", "k", "tail", "raw", "clamp"),
-    "support": ("support", "by", "k", "tail", "raw", "form", "clamp"),
-    "sampled-token": ("support", "by", "k", "tail", "raw", "form", "clamp"),
+    "support": ("support", "by", "k", "tail", "raw", "form", "weights", "clamp"),
+    "sampled-token": ("support", "by", "k", "tail", "raw", "form", "weights", "clamp"),
     "scale": ("scale",), "term": ("scale", "nll"),
 }
 
@@ -2114,9 +2144,9 @@ def declared_config(dump, fixture):
         except ValueError:
             raise SystemExit(f"verify.py: the dump's scale is {setting['scale']!r}; say a number "
                              "or 'T^2'.")
-    c = Config(T, T, setting["beta"], dump.clip, setting.get("tau", 0.05), **{**support, **form},
-               scale=scale, nll=setting.get("nll", 0.0))
-    return c, setting["skip_first_tokens"], stored
+    c = Config(T, T, setting["beta"], dump.clip, setting.get("tau", 0.05), **support, scale=scale,
+               nll=setting.get("nll", 0.0))
+    return c._replace(**form), setting["skip_first_tokens"], stored
 
 
 def computable(c, numbers):
