@@ -245,7 +245,6 @@ class Reference:
         self.model = load_model(model_dir)
         self.rows, self.fixture, self.micro_batch_size = rows, fixture, micro_batch_size
         self.lengths = [len(r["completion_ids"]) for r in rows]
-        self.prompt_lengths = {side: [len(r[f"{side}_prompt_ids"]) for r in rows] for side in SIDES}
         self.logits = {side: [row_logits(self.model, r[f"{side}_prompt_ids"], r["completion_ids"])
                               for r in rows]
                        for side in SIDES}
@@ -276,20 +275,22 @@ class Reference:
                 other.rows[row][f"{side}_prompt_ids"] = ids
                 other.logits[side][row] = row_logits(self.model, ids,
                                                      self.rows[row]["completion_ids"])
-        other.prompt_lengths = {side: [len(r[f"{side}_prompt_ids"]) for r in other.rows]
-                                for side in SIDES}
         return other
+
+    def pads(self, side, size):
+        """pads_after of the side's prompts."""
+        return pads_after([len(r[f"{side}_prompt_ids"]) for r in self.rows], size)
 
     def shorter(self, side, size):
         """The rows whose prompt on `side` is shorter than their micro-batch's longest."""
-        return {r for r, gap in enumerate(pads_after(self.prompt_lengths[side], size)) if gap}
+        return {r for r, gap in enumerate(self.pads(side, size)) if gap}
 
     def padded_logits(self, side, size):
         """Each row's logits with its answer at position ids counted over the pads that padding its
         prompt to the micro-batch's longest puts before it (the rows with the longest prompt
         unchanged)."""
         if (side, size) not in self.padded:
-            gaps = pads_after(self.prompt_lengths[side], size)
+            gaps = self.pads(side, size)
             self.padded[(side, size)] = [
                 row_logits(self.model, r[f"{side}_prompt_ids"], r["completion_ids"], gap) if gap
                                          else x
@@ -403,10 +404,6 @@ def uses_beta(c):
     return c.form == "estimate" or (c.form == "term" and c.weights == PLAIN)
 
 
-def other_side(side):
-    return SIDES[1 - SIDES.index(side)]
-
-
 def top_k_kind(c):
     """The top k's kind, as its cause names it: "renormalised", "tail" or "SIDE-raw"."""
     if c.tail:
@@ -498,8 +495,8 @@ def differences(found, declared, k_note=None):
         out.append((f"sampled-token:{found.form}", kind_of(found)))
     elif found.support == "full" and declared.support != "full":
         out.append(("support:full", None))
-    moved = any(abs(a - b) > 1e-3 for a, b in zip(found.weights, declared.weights))
-    if found.support != "sampled-token" and moved:
+    reweighted = any(abs(a - b) > 1e-3 for a, b in zip(found.weights, declared.weights))
+    if found.support != "sampled-token" and reweighted:
         note = None
         if form_name(found) == "mixed":
             note = f"w {found.weights[0]:.4g}"
@@ -727,9 +724,6 @@ class Fit:
             return moved
         return c
 
-    def count_on_search(self, c):
-        return int(close(self.search[3], self.values(c, on_search=True)).sum())
-
     def k_bound(self):
         """The least k that is no top k: the vocabulary's size (a top k of it is the whole), or one
         more than K where the numbers are the teacher's top K ids alone (all K of them is a top
@@ -744,7 +738,10 @@ class Fit:
         grid = [k for k in TOP_K_GRID if k < V]
         if self.teacher.sparse:
             grid.append(V - 1)
-        return c._replace(k=max(grid, key=lambda k: (self.count_on_search(c._replace(k=k)), -k)))
+        def count(k):  # the search positions matched
+            return int(close(self.search[3], self.values(c._replace(k=k), on_search=True)).sum())
+
+        return c._replace(k=max(grid, key=lambda k: (count(k), -k)))
 
     def k_note(self, c):
         """The range of k that match as many positions as c's k, in words."""
@@ -817,24 +814,19 @@ class Fit:
         """c with the composition's weights fitted by least squares, each position weighted by its
         tolerance: the weights of c's terms (those it weights), without and then with a weight of
         the student's negative log-likelihood of y; their sum is the scale (put at T^2 or the
-        declared one where it is that), the terms' weights its shares (the declared ones where they
-        are those). c itself where neither matches more positions."""
+        declared one where it is that), the terms' weights its shares. c itself where neither
+        matches more positions."""
         terms = [i for i, w in enumerate(c.weights) if w]
-        if c.support == "sampled-token":
-            terms = [0]
-        columns = []
+        columns = [-self.student.of_token(c.student_t, self.y)]
         for i in terms:
             unit = c._replace(scale=1.0, nll=0.0, weights=tuple(float(i == j) for j in range(3)))
-            columns.append(form_values(unit, self.student, self.teacher, self.y, self.peer,
-                                       self.tie))
-        nll = -self.student.of_token(c.student_t, self.y)
-        keep = self.kept & nll.isfinite()
-        for x in columns:
-            keep &= x.isfinite()
+            columns.insert(-1, form_values(unit, self.student, self.teacher, self.y, self.peer,
+                                           self.tie))
+        keep = self.kept & torch.stack(columns).isfinite().all(0)
         weight = 1.0 / (TOL_DIVERGENCE[0] + TOL_DIVERGENCE[1] * self.peer[keep].abs())
         best, n = c, self.count(c)
-        for extra in ([], [nll]):
-            a = torch.stack([x[keep] for x in columns + extra], -1) * weight[:, None]
+        for fitted in (columns[:-1], columns):
+            a = torch.stack([x[keep] for x in fitted], -1) * weight[:, None]
             solution = torch.linalg.lstsq(a, self.peer[keep] * weight).solution.tolist() + [0.0]
             scale = sum(solution[:len(terms)])
             if not scale:
@@ -842,14 +834,10 @@ class Fit:
             weights = [0.0, 0.0, 0.0]
             for i, x in zip(terms, solution):
                 weights[i] = x / scale
-            if max(abs(a - b) for a, b in zip(weights, self.declared.weights)) <= 1e-4:
-                weights = self.declared.weights
             for exact in (self.declared.scale, c.student_t ** 2):
                 if same(scale, exact, 1e-4):
                     scale = exact
             trial = c._replace(scale=scale, nll=solution[len(terms)], weights=tuple(weights))
-            if c.support == "sampled-token":
-                trial = trial._replace(weights=c.weights)
             if self.count(trial) > n:
                 best, n = trial, self.count(trial)
         return best
@@ -892,8 +880,8 @@ class Fit:
         return out
 
     def identify(self):
-        """[(positions matched, configuration, the top k's note)], the best first: the most
-        positions matched, then the fewest differences from the declared configuration. The declared
+        """(positions matched, configuration, the top k's note) of the best: the most positions
+        matched, then the fewest differences from the declared configuration. The declared
         structure first, then every other, each with beta and tau fitted; then, if none matched
         every position and the numbers are logits, the declared structure and the nearest others
         (PHASE_TWO in all) with the temperatures fitted too. The first that matches every position
@@ -921,9 +909,10 @@ class Fit:
                     break
             if found[-1][0] == self.total:
                 break
-        found.sort(key=lambda f: (-f[0], len(differences(f[1], self.declared))))
-        return [(n, c, self.k_note(c) if c.support == "top-k" else None) for n, c in found[:1]] + \
-            [(n, c, None) for n, c in found[1:]]
+        n, c = min(found, key=lambda f: (-f[0], len(differences(f[1], self.declared))))
+        if c.support == "top-k":
+            return n, c, self.k_note(c)
+        return n, c, None
 
     def degenerate(self, c):
         """Whether c's values are all within the tolerance of zero while the peer's are not: a form
@@ -1064,18 +1053,11 @@ def write_dump(path, *, setting=None, clip, rows, loss=None, normalisation=None,
         tensors.update({f"row{i}.{name}": t.contiguous() for name, t in named.items()})
     for (k, side), named in (batches or {}).items():
         tensors.update({f"batch{k}.{side}.{name}": t.contiguous() for name, t in named.items()})
-    meta = {"clip": clip}
-    if setting is not None:
-        meta["setting"] = setting
     if loss is not None:
-        meta["loss"] = repr(float(loss))
-    if normalisation is not None:
-        meta["normalisation"] = normalisation
-    if micro_batch_size is not None:
-        meta["micro_batch_size"] = str(micro_batch_size)
-    if logits is not None:
-        meta["logits"] = logits
-    meta.update({key: str(value) for key, value in declared.items()})
+        loss = float(loss)
+    given = {"clip": clip, "setting": setting, "loss": loss, "normalisation": normalisation,
+             "micro_batch_size": micro_batch_size, "logits": logits, **declared}
+    meta = {key: str(value) for key, value in given.items() if value is not None}
     save_file(tensors, str(path), metadata=meta)
 
 
@@ -1349,13 +1331,6 @@ def side_numbers(dump, side):
     return None, {}
 
 
-def top_ids(dump):
-    """{row: (L, K) ids} of the teacher's top K the dump holds, or {}."""
-    if not dump.rows or not all("teacher_topk_ids" in t for t in dump.rows.values()):
-        return {}
-    return {r: t["teacher_topk_ids"].long() for r, t in dump.rows.items()}
-
-
 def compare_side(ref, dump, side, declared, size, divided=False, inferred=False, own_prompts=False,
                  skip=0):
     """Check: the side's log-probs (or logits: raw, or already divided by the temperature when
@@ -1376,7 +1351,7 @@ def compare_side(ref, dump, side, declared, size, divided=False, inferred=False,
     token = key.endswith("_token_logprobs")
     ids = {}
     if key.endswith("_topk_logprobs"):
-        ids = top_ids(dump)
+        ids = {r: t["teacher_topk_ids"].long() for r, t in dump.rows.items()}
     raw = logits and not divided
     expected = T  # the temperature the reference's log-softmax is compared at
     if raw:
@@ -1487,18 +1462,15 @@ def compare_side(ref, dump, side, declared, size, divided=False, inferred=False,
     head = f"{unit}, |delta log p| within {TOL_LOGPROB:g}: {found[0]}"
     if ids and side == "teacher":
         found.append(top_ids_line(ref, ids, at))
-    residual = max_error(errs[reading.best])
+    residual = f"|delta log p| up to {max_error(errs[reading.best]):.1e}"
+    identified = f"{side}: log-probs at T {at:.4g} (fitted: {fitted:.4g}), {residual}"
+    if raw:
+        identified = f"{side}: logits divided by {at:.4g}, {residual}"
     if raw and at == expected:
         identified = f"{side}: raw logits (the temperature is not in them; the divergence shows it)"
-    else:
-        identified = f"{side}: log-probs at T {at:.4g} (fitted: {fitted:.4g}), " \
-                     f"|delta log p| up to {residual:.1e}"
-        if raw:
-            identified = f"{side}: logits divided by {at:.4g}, |delta log p| up to {residual:.1e}"
     if reading.best == student_like:
-        residual = max_error(errs[student_like])
         identified = f"{side}: the student's log-probs (the teacher given the student's prompt), " \
-                     f"|delta log p| up to {residual:.1e}"
+                     f"{residual}"
     if not reading.explained:
         identified = f"{side}: no hypothesis tried explains every position (|delta log p| up to " \
                      f"{max_error(errs['the fixture']):.1e} from the declared)"
@@ -1518,7 +1490,7 @@ def side_sizes(ref, side, declared, skip, own, hypotheses, reading, scale):
     same with the positions each cause explains replaced by the reference's without that cause.
     scale:
     the hypotheses' temperatures are this many times the loss temperature's (raw logits: 1 / T)."""
-    other = other_side(side)
+    other = SIDES[1 - SIDES.index(side)]
     best = hypotheses[reading.best][0]
     rows = list(range(len(ref.rows)))
     if own is not None:
@@ -1793,7 +1765,7 @@ def compare_divergence(ref, dump, declared, skip, size, divided=False, own_promp
     if own is not None:
         own["student"].ratio = ratio
         fit = Fit(own["student"], own["teacher"], y, P, kept, declared)
-        count, c, note = fit.identify()[0]
+        count, c, note = fit.identify()
         numbers = "sampled-token log-probs"
         if own["student"].full and own["teacher"].full:
             numbers = "log-probs"
@@ -1802,26 +1774,23 @@ def compare_divergence(ref, dump, declared, skip, size, divided=False, own_promp
         if own["student"].free or own["teacher"].free:
             numbers = "logits"
         said = describe(c, numbers == "logits")
-        allowed = allowance(own)
+        allowed = [line for line in [allowance(own)] if line]
         if count == total:
             causes = differences(c, declared, note)
             values = fit.values(c)
             largest = float(((P - values).abs() * kept).max())
-            lines = [head, f"every position equals {said}, from your {numbers}"]
+            lines = [head, f"every position equals {said}, from your {numbers}", *allowed]
             if not causes:
                 lines[1] = "every position is computed as asked from your log-probs, so the " \
                            "differences come from the log-probs (above)"
-            if allowed:
-                lines.append(allowed)
             sized = own
             if not (own["student"].full and own["teacher"].full):
                 sized = reference_numbers(ref, rows)
-            with_it = step(config_values(c, sized["student"], sized["teacher"], y))
-            sizes = {}
-            for cause, _ in causes:
-                back = undone(c, cause, declared)
-                sizes[cause] = (with_it, step(config_values(back, sized["student"],
-                                                            sized["teacher"], y)))
+
+            def loss(config):  # the step's token mean of config's values
+                return step(config_values(config, sized["student"], sized["teacher"], y))
+
+            sizes = {cause: (loss(c), loss(undone(c, cause, declared))) for cause, _ in causes}
             found = f"the value: {kind_of(c)}, {said}, from your {numbers}: all {total} " \
                     f"positions within tolerance{zero_note(near_zero(P, values, kept))} " \
                     f"(largest difference {largest:.1e})"
@@ -1829,9 +1798,7 @@ def compare_divergence(ref, dump, declared, skip, size, divided=False, own_promp
                          found, sizes), peer
         lines = [head,
                  f"no configuration tried explains your values from your own {numbers} within "
-                 "tolerance"]
-        if allowed:
-            lines.append(allowed)
+                 "tolerance", *allowed]
         if count >= HINT_SHARE * total and not fit.degenerate(c):
             lines.append(f"the nearest, {said}, matches {count} of {total} positions "
                          f"({count / total:.0%}){zero_note(near_zero(P, fit.values(c), kept))}")
@@ -1876,7 +1843,7 @@ def compare_divergence(ref, dump, declared, skip, size, divided=False, own_promp
             numbers["student"].ratio = ratio
             fit = Fit(numbers["student"], numbers["teacher"], y, P, kept, declared, TOL_LOGPROB,
                       bool(offset))
-            found.append((*fit.identify()[0], offset, fit))
+            found.append((*fit.identify(), offset, fit))
             if found[-1][0] == total:
                 break
         count, c, note, offset, fit = max(found, key=lambda f: f[0])
