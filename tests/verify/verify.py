@@ -2038,6 +2038,11 @@ def compare_prompts(ref, dump):
                  list(dict.fromkeys(causes)))
 
 
+def dumped_problems(t):
+    """batch_problems of one dumped micro-batch's tensors {name: tensor}."""
+    return batch_problems(*[t[n] for n in BATCH_TENSORS[:4]], t.get("scored_mask"))
+
+
 def compare_batches(dump):
     """Check 2: the invariants of every micro-batch the peer dumped (check_batch)."""
     if not dump.batches:
@@ -2048,9 +2053,7 @@ def compare_batches(dump):
         if missing:
             lines.append(f"micro-batch {k}, {side}: no {', '.join(missing)}")
             continue
-        for cause, sentence in batch_problems(t["input_ids"], t["attention_mask"],
-                                              t["position_ids"],
-                                              t["answer_mask"], t.get("scored_mask")):
+        for cause, sentence in dumped_problems(t):
             lines.append(f"micro-batch {k}, {side}, {sentence}")
             if cause in ("pad-first", "position-ids"):
                 cause = f"{cause}:{side}"
@@ -2222,9 +2225,8 @@ def ruled_out(dump, ref, size):
                == ref.rows[r][f"{side}_prompt_ids"] for r in range(len(ref.rows))):
             out[f"prompt:{side}"] = "prompts"
         batches = [dump.batches.get((k, side)) for k in range(-(-len(ref.rows) // size))]
-        if all(b is not None and all(n in b for n in BATCH_TENSORS[:4]) and not batch_problems(
-                b["input_ids"], b["attention_mask"], b["position_ids"], b["answer_mask"],
-                b.get("scored_mask")) for b in batches):
+        if all(b is not None and all(n in b for n in BATCH_TENSORS[:4])
+               and not dumped_problems(b) for b in batches):
             out.update({f"{kind}:{side}": "batch" for kind in ("pad-first", "position-ids")})
     if all(f"pad-first:{side}" in out for side in SIDES):
         out.update({"pad-first:either": "batch", "position-ids:either": "batch"})
