@@ -70,36 +70,47 @@ def row_logits(model, prompt, completion, gap=0):
     return out[P - 2:P + L]
 
 
-def divergence_terms(log_s, log_t, beta, form="term", w=0.5):
+# The terms a value over several entries is a weighted sum of (Config.weights), each entry's:
+#   the divergence of beta:
+#     beta 0:  p_T(v) (log p_T(v) - log p_S(v))                  forward KL(T || S)
+#     beta 1:  p_S(v) (log p_S(v) - log p_T(v))                  reverse KL(S || T)
+#     else:    beta KL_v(T || M) + (1 - beta) KL_v(S || M),      M = beta p_T + (1 - beta) p_S
+#   the reverse KL, p_S(v) (log p_S(v) - log p_T(v)), whatever beta;
+#   the cross-entropy, -p_T(v) log p_S(v), whose sum is KL(T || S) plus the teacher's entropy.
+# A zero probability contributes zero, whatever its log. The declared forms are weights of these:
+# "term" the divergence alone, "mixed:W" W times the forward KL (beta 0) and 1 - W the reverse,
+# "cross-entropy" the cross-entropy alone.
+PLAIN = (1.0, 0.0, 0.0)
+CROSS_ENTROPY = (0.0, 0.0, 1.0)
+
+
+def divergence_terms(log_s, log_t, beta, weights=PLAIN):
     """(..., V) terms d_v whose sum over the vocabulary is the position's value, from both sides'
-    log-probs at the loss temperature. Form "term", the divergence of beta:
-      beta 0:  p_T(v) (log p_T(v) - log p_S(v))                  forward KL(T || S)
-      beta 1:  p_S(v) (log p_S(v) - log p_T(v))                  reverse KL(S || T)
-      else:    beta KL_v(T || M) + (1 - beta) KL_v(S || M),      M = beta p_T + (1 - beta) p_S
-    Form "mixed", the two KLs weighted by w (beta unused): w KL_v(T || S) + (1 - w) KL_v(S || T).
-    Form "cross-entropy": -p_T(v) log p_S(v), whose sum is KL(T || S) plus the teacher's entropy.
-    A zero probability contributes zero, whatever its log."""
+    log-probs at the loss temperature: the terms above, weighted."""
     def term(log_p, log_q):  # p (log p - log q), 0 where p = 0
         p = log_p.exp()
         return torch.where(p > 0, p * (log_p - log_q), torch.zeros_like(p))
 
-    if form == "mixed":
-        return w * term(log_t, log_s) + (1.0 - w) * term(log_s, log_t)
-    if form == "cross-entropy":
+    def of_beta():
+        if beta == 0.0:
+            return term(log_t, log_s)
+        if beta == 1.0:
+            return term(log_s, log_t)
+        log_m = torch.log(beta * log_t.exp() + (1.0 - beta) * log_s.exp())
+        return beta * term(log_t, log_m) + (1.0 - beta) * term(log_s, log_m)
+
+    def cross_entropy():
         p_t = log_t.exp()
         return torch.where(p_t > 0, -p_t * log_s, torch.zeros_like(p_t))
-    if beta == 0.0:
-        return term(log_t, log_s)
-    if beta == 1.0:
-        return term(log_s, log_t)
-    log_m = torch.log(beta * log_t.exp() + (1.0 - beta) * log_s.exp())
-    return beta * term(log_t, log_m) + (1.0 - beta) * term(log_s, log_m)
+
+    parts = (of_beta, lambda: term(log_s, log_t), cross_entropy)
+    return sum(w * part() for w, part in zip(weights, parts) if w)
 
 
-def divergence(log_s, log_t, *, beta, clip, tau, form="term", w=0.5):
+def divergence(log_s, log_t, *, beta, clip, tau, weights=PLAIN):
     """(...,) each position's loss term: "entry" clips each d_v at tau before the sum, "token" clips
     the sum at tau, "none" leaves it."""
-    d = divergence_terms(log_s, log_t, beta, form, w)
+    d = divergence_terms(log_s, log_t, beta, weights)
     if clip == "entry":
         return d.clamp(max=tau).sum(-1)
     k = d.sum(-1)
@@ -119,7 +130,7 @@ def top_k_log_probs(log_s, log_t, k, tail, order, raw=""):
     for side, log_p in zip(SIDES, (log_s, log_t)):
         top = log_p.gather(-1, order[..., :k])
         mass = torch.logsumexp(top, -1, keepdim=True)
-        if side == raw:
+        if raw in (side, "both"):
             out.append(top)
         elif tail:
             out.append(torch.cat([top, torch.log(-torch.expm1(mass.clamp(max=0.0)))], -1))
@@ -152,9 +163,10 @@ SAMPLED_FORMS = {
 }
 
 
-def sampled_value(a, b, form, beta, clamp=False, sampler=None):
-    """(N,) one value per position from a = log p_S(y), b = log p_T(y) (SAMPLED_FORMS); sampler: the
-    sampler's log p_S(y), for "importance" (None: the same as a, the ratio 1). The divergence's
+def sampled_value(a, b, form, beta, clamp=False, ratio=None):
+    """(N,) one value per position from a = log p_S(y), b = log p_T(y) (SAMPLED_FORMS); ratio: the
+    log of the importance ratio p_S(y) / p_sampler(y), for "importance" (None: the ratio 1). The
+    divergence's
     halves, for "term" and "estimate" (their sum; one half at beta 0 or 1):
       term:      beta p_T(y) (b - log m(y))  and  (1 - beta) p_S(y) (a - log m(y)),
                  m = beta p_T + (1 - beta) p_S
@@ -168,9 +180,9 @@ def sampled_value(a, b, form, beta, clamp=False, sampler=None):
     if form == "surrogate":
         return (a - b) * a
     if form == "importance":
-        if sampler is None:
-            sampler = a
-        return -torch.exp(a - sampler) * (b - a)
+        if ratio is None:
+            ratio = torch.zeros_like(a)
+        return -torch.exp(ratio) * (b - a)
     weight_t, weight_s = b.exp(), a.exp()
     if form == "estimate":
         weight_t, weight_s = (b - a).exp(), torch.ones_like(a)
@@ -233,7 +245,6 @@ class Reference:
         self.model = load_model(model_dir)
         self.rows, self.fixture, self.micro_batch_size = rows, fixture, micro_batch_size
         self.lengths = [len(r["completion_ids"]) for r in rows]
-        self.prompt_lengths = {side: [len(r[f"{side}_prompt_ids"]) for r in rows] for side in SIDES}
         self.logits = {side: [row_logits(self.model, r[f"{side}_prompt_ids"], r["completion_ids"])
                               for r in rows]
                        for side in SIDES}
@@ -264,20 +275,22 @@ class Reference:
                 other.rows[row][f"{side}_prompt_ids"] = ids
                 other.logits[side][row] = row_logits(self.model, ids,
                                                      self.rows[row]["completion_ids"])
-        other.prompt_lengths = {side: [len(r[f"{side}_prompt_ids"]) for r in other.rows]
-                                for side in SIDES}
         return other
+
+    def pads(self, side, size):
+        """pads_after of the side's prompts."""
+        return pads_after([len(r[f"{side}_prompt_ids"]) for r in self.rows], size)
 
     def shorter(self, side, size):
         """The rows whose prompt on `side` is shorter than their micro-batch's longest."""
-        return {r for r, gap in enumerate(pads_after(self.prompt_lengths[side], size)) if gap}
+        return {r for r, gap in enumerate(self.pads(side, size)) if gap}
 
     def padded_logits(self, side, size):
         """Each row's logits with its answer at position ids counted over the pads that padding its
         prompt to the micro-batch's longest puts before it (the rows with the longest prompt
         unchanged)."""
         if (side, size) not in self.padded:
-            gaps = pads_after(self.prompt_lengths[side], size)
+            gaps = self.pads(side, size)
             self.padded[(side, size)] = [
                 row_logits(self.model, r[f"{side}_prompt_ids"], r["completion_ids"], gap) if gap
                                          else x
@@ -317,10 +330,11 @@ class Config(NamedTuple):
     clip ("none", "entry", "token") at tau, and the support the value is taken over. The support:
     "full" (the whole vocabulary), "top-k" (the top k entries of side `by`, renormalised over them,
     with a tail entry for the rest, or with the side named by `raw` kept as it is) or
-    "sampled-token" (the answer token alone). The form, over the whole vocabulary or a top k: "term"
-    (the divergence of beta: 0 the forward KL, 1 the reverse, between the generalized JSD), "mixed"
-    (w KL(T || S) + (1 - w) KL(S || T)) or "cross-entropy" (divergence_terms); at the sampled token,
-    one of SAMPLED_FORMS, the halves of "term" and "estimate" clamped at >= 0 or not."""
+    "sampled-token" (the answer token alone). The value is composed: `scale` times a weighted sum
+    of terms over the support, plus `nll` times the student's negative log-likelihood of y
+    (config_values). The terms: over several entries, the divergence of beta, the reverse KL and the
+    cross-entropy, weighted by `weights` (divergence_terms); at the sampled token, `form`, one of
+    SAMPLED_FORMS, the halves of "term" and "estimate" clamped at >= 0 or not."""
     student_t: float
     teacher_t: float
     beta: float
@@ -333,23 +347,26 @@ class Config(NamedTuple):
     form: str = "term"
     clamp: bool = False
     raw: str = ""
-    w: float = 0.5
+    weights: tuple = PLAIN
+    scale: float = 1.0
+    nll: float = 0.0
 
 
 def parse_support(text):
     """Config fields of a declared support: "full", "top-k:SIDE:K" (":tail" after it: a tail entry;
-    ":raw-SIDE": that side's log-probs as they are, the other's renormalised), or
+    ":raw-SIDE": that side's log-probs as they are, the other's renormalised; ":raw": both as they
+    are), or
     "sampled-token:FORM" (":clamped" after it: each half clamped at >= 0); None if it is none of
     these."""
     parts = text.split(":")
     if parts == ["full"]:
         return {"support": "full"}
-    raw_sides = [[f"raw-{side}"] for side in SIDES]
+    raw_sides = [[f"raw-{side}"] for side in SIDES] + [["raw"]]
     if parts[0] == "top-k" and len(parts) in (3, 4) and parts[1] in SIDES and parts[2].isdigit() \
             and int(parts[2]) > 0 and parts[3:] in ([], ["tail"], *raw_sides):
         raw = ""
         if parts[3:] in raw_sides:
-            raw = parts[3][len("raw-"):]
+            raw = parts[3][len("raw-"):] or "both"
         return {"support": "top-k", "by": parts[1], "k": int(parts[2]),
                 "tail": parts[3:] == ["tail"], "raw": raw}
     if parts[0] == "sampled-token" and len(parts) in (2, 3) and parts[1] in SAMPLED_FORMS \
@@ -359,27 +376,32 @@ def parse_support(text):
 
 
 def parse_form(text):
-    """Config fields of a declared form: "term", "cross-entropy" or "mixed:W" (W from 0 to 1); None
-    if it is none of these."""
+    """Config fields of a declared form, the weights of the terms: "term", "cross-entropy" or
+    "mixed:W" (W from 0 to 1, the forward KL at beta 0); None if it is none of these."""
     parts = text.split(":")
     if parts in (["term"], ["cross-entropy"]):
-        return {"form": parts[0]}
+        return {"weights": {"term": PLAIN, "cross-entropy": CROSS_ENTROPY}[parts[0]]}
     if parts[0] == "mixed" and len(parts) == 2:
         try:
             w = float(parts[1])
         except ValueError:
             return None
         if 0.0 <= w <= 1.0:
-            return {"form": "mixed", "w": w}
+            return {"weights": (w, 1.0 - w, 0.0), "beta": 0.0}
     return None
 
 
+def form_name(c):
+    """The form the weights make, as its cause names it."""
+    if c.weights[1]:
+        return "mixed"
+    if c.weights[2]:
+        return "cross-entropy"
+    return "term"
+
+
 def uses_beta(c):
-    return c.form in ("term", "estimate")
-
-
-def other_side(side):
-    return SIDES[1 - SIDES.index(side)]
+    return c.form == "estimate" or (c.form == "term" and c.weights == PLAIN)
 
 
 def top_k_kind(c):
@@ -391,9 +413,16 @@ def top_k_kind(c):
     return "renormalised"
 
 
+def scale_name(c):
+    """The cause of a scale: "scale:T^2" where it is the temperature squared."""
+    if same(c.scale, c.student_t ** 2) and c.scale != 1.0:
+        return "scale:T^2"
+    return "scale"
+
+
 def kind_of(c):
     if c.support != "sampled-token":
-        if c.form == "cross-entropy":
+        if form_name(c) == "cross-entropy":
             return "a cross-entropy"
         return "a divergence"
     kind = SAMPLED_FORMS[c.form][0]
@@ -409,27 +438,26 @@ def describe(c, temperatures=True):
     nothing)."""
     what = {0.0: "forward KL (beta 0)", 1.0: "reverse KL (beta 1)"}.get(
         c.beta, f"generalized JSD (beta {c.beta:.4g})")
-    if c.form == "mixed":
-        what = f"w KL(T || S) + (1 - w) KL(S || T) with w {c.w:.4g}"
-    elif c.form == "cross-entropy":
+    if form_name(c) == "mixed":
+        what = f"w KL(T || S) + (1 - w) KL(S || T) with w {c.weights[0]:.4g}"
+    elif form_name(c) == "cross-entropy":
         what = "the cross-entropy -sum p_T log p_S (the forward KL plus the teacher's entropy)"
     if c.support == "sampled-token" and not uses_beta(c):
         what = SAMPLED_FORMS[c.form][1]
     elif c.support == "full":
         what += " over the whole vocabulary"
     elif c.support == "top-k":
-        how = "renormalised over them"
-        if c.tail:
-            how = "with a tail entry for the rest"
-        elif c.raw:
-            how = f"the {other_side(c.raw)}'s renormalised over them, the {c.raw}'s as they are"
-        what += f" over the {c.by}'s top {c.k} entries, {how}"
+        what += f" over the {c.by}'s top {c.k} entries, {TOP_K[top_k_kind(c)]}"
     else:
         short = {"term": "its term there",
                  "estimate": "its one-sample estimate d_y / p_S(y)"}[c.form]
         what += f" at the sampled token y alone, {short}"
     if c.support == "sampled-token" and c.clamp:
         what += ", each half clamped at >= 0"
+    if c.scale != 1.0:
+        what = f"{c.scale:.4g} x ({what})"
+    if c.nll:
+        what += f" + {c.nll:.4g} x the student's negative log-likelihood of y"
     clip = {"none": "no clip", "entry": f"each entry clipped at tau {c.tau:.4g}",
             "token": f"the position's value clipped at tau {c.tau:.4g}"}[c.clip]
     if c.support == "sampled-token" and c.clip != "none":
@@ -467,26 +495,27 @@ def differences(found, declared, k_note=None):
         out.append((f"sampled-token:{found.form}", kind_of(found)))
     elif found.support == "full" and declared.support != "full":
         out.append(("support:full", None))
-    if found.support != "sampled-token":
-        asked = declared.form
-        if declared.support == "sampled-token":
-            asked = "term"
-        if found.form != asked:
-            note = None
-            if found.form == "mixed":
-                note = f"w {found.w:.4g}"
-            out.append((f"form:{found.form}", note))
-        elif found.form == "mixed" and abs(found.w - declared.w) > 1e-3:
-            out.append(("form:mixed", f"w {found.w:.4g}, {declared.w:g} declared"))
+    reweighted = any(abs(a - b) > 1e-3 for a, b in zip(found.weights, declared.weights))
+    if found.support != "sampled-token" and reweighted:
+        note = None
+        if form_name(found) == "mixed":
+            note = f"w {found.weights[0]:.4g}"
+            if form_name(declared) == "mixed":
+                note += f", {declared.weights[0]:g} declared"
+        out.append((f"form:{form_name(found)}", note))
     if found.support == "sampled-token" and found.clamp != declared.clamp:
         out.append(("clamp:halves" if found.clamp else "clamp:none", None))
     beta_moved = abs(found.beta - declared.beta) > 1e-3
-    if uses_beta(found) and declared.form not in ("mixed", "cross-entropy") and beta_moved \
+    if uses_beta(found) and declared.weights == PLAIN and beta_moved \
             and not same(found.beta, declared.beta, 1e-6):
         note = f"beta {found.beta:.4g}, {declared.beta:g} declared"
         if declared.beta in (0.0, 1.0) and found.beta == 1.0 - declared.beta:
             note += ": the student and the teacher exchanged"
         out.append(("beta", note))
+    if abs(found.nll - declared.nll) > 1e-3:
+        out.append(("term:nll", f"weight {found.nll:.4g}, the rest weighted {found.scale:.4g}"))
+    elif not same(found.scale, declared.scale):
+        out.append((scale_name(found), f"x{found.scale:.4g}, {declared.scale:.4g} declared"))
     if found.clip != declared.clip:
         out.append((f"clip:{found.clip}", None))
     elif found.clip != "none" and not same(found.tau, declared.tau):
@@ -497,12 +526,12 @@ def differences(found, declared, k_note=None):
 class Numbers:
     """One side's numbers at the step's positions, rows concatenated: raw logits (N, V) whose
     temperature is a parameter, log-probs (N, V) as they are, log-probs (N, K) at the ids (N, K) of
-    the teacher's top K alone, or the sampled token's log-prob alone (N,); sampler: the sampler's
-    log-prob of the sampled token (N,), for an importance-sampling ratio."""
+    the teacher's top K alone, or the sampled token's log-prob alone (N,); ratio: the log of the
+    importance ratio at each sampled token (N,), from the peer's own numbers (importance_ratio)."""
 
-    def __init__(self, logits=None, logprobs=None, token=None, ids=None, sampler=None):
+    def __init__(self, logits=None, logprobs=None, token=None, ids=None, ratio=None):
         self.logits, self.logprobs, self.token = logits, logprobs, token
-        self.ids, self.sampler = ids, sampler
+        self.ids, self.ratio = ids, ratio
         self.cache = {}  # {temperature: log-probs}
         self.ranks = None
 
@@ -520,7 +549,7 @@ class Numbers:
 
     def at(self, index):
         """These numbers at some positions only."""
-        fields = (self.logits, self.logprobs, self.token, self.ids, self.sampler)
+        fields = (self.logits, self.logprobs, self.token, self.ids, self.ratio)
         return Numbers(*[None if x is None else x[index] for x in fields])
 
     def log_probs(self, temperature):
@@ -556,16 +585,26 @@ class Numbers:
 
 def config_values(c, student, teacher, y, peer=None, tie=0.0):
     """(N,) each position's value under configuration c, from both sides' Numbers and the sampled
-    tokens y. A top k whose k-th and (k + 1)-th log-probs lie within `tie`: the peer's choice, the
-    nearer to `peer`. From the teacher's top K ids alone, the student's numbers are at those ids."""
+    tokens y: its scale times its form's value over its support, plus its weight of the student's
+    negative log-likelihood of y (the composition; form_values the form's part)."""
+    value = form_values(c, student, teacher, y, peer, tie)
+    if c.scale == 1.0 and not c.nll:
+        return value
+    return c.scale * value - c.nll * student.of_token(c.student_t, y)
+
+
+def form_values(c, student, teacher, y, peer=None, tie=0.0):
+    """(N,) the form's value of configuration c over its support. A top k whose k-th and
+    (k + 1)-th log-probs lie within `tie`: the peer's choice, the nearer to `peer`. From the
+    teacher's top K ids alone, the student's numbers are at those ids."""
     if c.support == "sampled-token":
         a, b = student.of_token(c.student_t, y), teacher.of_token(c.teacher_t, y)
-        value = sampled_value(a, b, c.form, c.beta, c.clamp, student.sampler)
+        value = sampled_value(a, b, c.form, c.beta, c.clamp, student.ratio)
         if c.clip != "none":
             value = value.clamp(max=c.tau)
         return value
     log_s, log_t = student.log_probs(c.student_t), teacher.log_probs(c.teacher_t)
-    terms = {"beta": c.beta, "clip": c.clip, "tau": c.tau, "form": c.form, "w": c.w}
+    terms = {"beta": c.beta, "clip": c.clip, "tau": c.tau, "weights": c.weights}
     if c.support == "full":
         return divergence(log_s, log_t, **terms)
     side = student
@@ -584,7 +623,7 @@ def config_values(c, student, teacher, y, peer=None, tie=0.0):
             swapped[:, [c.k - 1, c.k]] = swapped[:, [c.k, c.k - 1]]
             top = top_k_log_probs(log_s[tied], log_t[tied], c.k, c.tail, swapped, c.raw)
             other = divergence(*top, **terms)
-            nearer = (peer[tied] - other).abs() < (peer[tied] - d[tied]).abs()
+            nearer = (peer[tied] - c.scale * other).abs() < (peer[tied] - c.scale * d[tied]).abs()
             d[tied] = torch.where(nearer, other, d[tied])
     return d
 
@@ -632,9 +671,9 @@ class Fit:
     then every support, clip and sampled-token form, each with its free parameters (the temperatures
     where the numbers are logits, beta, tau, k) searched."""
 
-    def __init__(self, student, teacher, y, peer, kept, declared, tie=0.0):
+    def __init__(self, student, teacher, y, peer, kept, declared, tie=0.0, narrow=False):
         self.student, self.teacher, self.y, self.peer, self.kept = student, teacher, y, peer, kept
-        self.declared, self.tie = declared, tie
+        self.declared, self.tie, self.narrow = declared, tie, narrow  # narrow: the declared alone
         self.total = int(kept.sum())
         index = kept.nonzero()[:, 0]
         spread = torch.linspace(0, len(index) - 1, min(FIT_POSITIONS, len(index)))
@@ -660,8 +699,6 @@ class Fit:
         names = [f"{side}_t" for side, x in zip(SIDES, (self.student, self.teacher)) if x.free]
         if uses_beta(c):
             names.append("beta")
-        if c.form == "mixed":
-            names.append("w")
         if c.clip != "none":
             names.append("tau")
         return names
@@ -674,8 +711,6 @@ class Fit:
         if name == "beta":  # the ends are the KLs, not the JSD's limits: tried apart
             inside = minimise(at, 1e-3, 1.0 - 1e-3)
             moved = c._replace(beta=min((0.0, 1.0, inside), key=at))
-        elif name == "w":  # its ends are the KLs, which beta's ends give
-            moved = c._replace(w=minimise(at, 1e-3, 1.0 - 1e-3))
         elif name == "tau":
             moved = c._replace(tau=minimise(at, *TAUS, log=True))
         elif name == "temperature":  # one loss temperature on both sides
@@ -688,9 +723,6 @@ class Fit:
         if self.score(moved) < self.score(c):
             return moved
         return c
-
-    def count_on_search(self, c):
-        return int(close(self.search[3], self.values(c, on_search=True)).sum())
 
     def k_bound(self):
         """The least k that is no top k: the vocabulary's size (a top k of it is the whole), or one
@@ -706,7 +738,10 @@ class Fit:
         grid = [k for k in TOP_K_GRID if k < V]
         if self.teacher.sparse:
             grid.append(V - 1)
-        return c._replace(k=max(grid, key=lambda k: (self.count_on_search(c._replace(k=k)), -k)))
+        def count(k):  # the search positions matched
+            return int(close(self.search[3], self.values(c._replace(k=k), on_search=True)).sum())
+
+        return c._replace(k=max(grid, key=lambda k: (count(k), -k)))
 
     def k_note(self, c):
         """The range of k that match as many positions as c's k, in words."""
@@ -771,6 +806,40 @@ class Fit:
         unclipped = best._replace(clip="none", tau=self.declared.tau)
         if best.clip != "none" and best.tau != self.declared.tau and self.count(unclipped) >= n:
             best = unclipped  # a clip at a fitted tau that changes nothing is no clip
+        if n < self.total:
+            best = max((self.composed(c), self.composed(best)), key=self.count)
+        return best
+
+    def composed(self, c):
+        """c with the composition's weights fitted by least squares, each position weighted by its
+        tolerance: the weights of c's terms (those it weights), without and then with a weight of
+        the student's negative log-likelihood of y; their sum is the scale (put at T^2 or the
+        declared one where it is that), the terms' weights its shares. c itself where neither
+        matches more positions."""
+        terms = [i for i, w in enumerate(c.weights) if w]
+        columns = [-self.student.of_token(c.student_t, self.y)]
+        for i in terms:
+            unit = c._replace(scale=1.0, nll=0.0, weights=tuple(float(i == j) for j in range(3)))
+            columns.insert(-1, form_values(unit, self.student, self.teacher, self.y, self.peer,
+                                           self.tie))
+        keep = self.kept & torch.stack(columns).isfinite().all(0)
+        weight = 1.0 / (TOL_DIVERGENCE[0] + TOL_DIVERGENCE[1] * self.peer[keep].abs())
+        best, n = c, self.count(c)
+        for fitted in (columns[:-1], columns):
+            a = torch.stack([x[keep] for x in fitted], -1) * weight[:, None]
+            solution = torch.linalg.lstsq(a, self.peer[keep] * weight).solution.tolist() + [0.0]
+            scale = sum(solution[:len(terms)])
+            if not scale:
+                continue
+            weights = [0.0, 0.0, 0.0]
+            for i, x in zip(terms, solution):
+                weights[i] = x / scale
+            for exact in (self.declared.scale, c.student_t ** 2):
+                if same(scale, exact, 1e-4):
+                    scale = exact
+            trial = c._replace(scale=scale, nll=solution[len(terms)], weights=tuple(weights))
+            if self.count(trial) > n:
+                best, n = trial, self.count(trial)
         return best
 
     def structures(self):
@@ -786,40 +855,33 @@ class Fit:
         if full or d.support == "sampled-token" or (sparse and d.support == "top-k"
                                                     and d.by == "teacher"):
             out.append({"support": d.support, "by": d.by, "k": d.k, "tail": d.tail, "raw": d.raw,
-                        "form": d.form, "clamp": d.clamp, "clip": d.clip})
-        plain = {"form": "term", "raw": "", "tail": False}
+                        "form": d.form, "weights": d.weights, "clamp": d.clamp, "clip": d.clip})
+        plain = {"form": "term", "weights": PLAIN, "raw": "", "tail": False}
+        top = {**plain, "support": "top-k", "by": "teacher", "clip": d.clip}
         if full:
             out += [{**plain, "support": "full", "clip": clip} for clip in CLIPS]
-        top_k_sides = []
-        if full:
-            top_k_sides = list(SIDES)
-        elif sparse:
-            top_k_sides = ["teacher"]
-        out += [{**plain, "support": "top-k", "by": by, "tail": tail, "clip": d.clip}
-                for by in top_k_sides for tail in (False, True)]
+        out += [{**top, "by": by, "tail": tail} for by in SIDES for tail in (False, True)
+                if full or (sparse and by == "teacher")]
         for form in SAMPLED_FORMS:
             for clamp in ((False, True) if form in ("term", "estimate") else (False,)):
                 for clip in dict.fromkeys((d.clip, "none")):
-                    out.append({"support": "sampled-token", "form": form, "clamp": clamp,
-                                "clip": clip})
-        clips = dict.fromkeys((d.clip, "none"))
+                    out.append({"support": "sampled-token", "form": form, "weights": PLAIN,
+                                "clamp": clamp, "clip": clip})
+        # the other weights of the terms (their shares fitted by least squares, Fit.composed)
+        mixed, entropy = {"weights": (0.5, 0.5, 0.0), "beta": 0.0}, {"weights": CROSS_ENTROPY}
         if full:
-            out += [{**plain, "support": "full", "form": form, "clip": clip}
-                    for form in ("mixed", "cross-entropy") for clip in clips]
+            out += [{**plain, **form, "support": "full", "clip": clip}
+                    for form in (mixed, entropy) for clip in dict.fromkeys((d.clip, "none"))]
         if full or sparse:
-            for form in ("term", "cross-entropy"):
-                out.append({**plain, "support": "top-k", "by": "teacher", "raw": "student",
-                            "form": form, "clip": d.clip})
-            out.append({**plain, "support": "top-k", "by": "teacher", "form": "cross-entropy",
-                        "clip": d.clip})
+            out += [{**top, **form, "raw": raw} for raw, form in (
+                ("student", {}), ("student", entropy), ("", entropy), ("both", {}))]
         if full:
-            out.append({**plain, "support": "top-k", "by": "student", "raw": "teacher",
-                        "clip": d.clip})
+            out.append({**top, "by": "student", "raw": "teacher"})
         return out
 
     def identify(self):
-        """[(positions matched, configuration, the top k's note)], the best first: the most
-        positions matched, then the fewest differences from the declared configuration. The declared
+        """(positions matched, configuration, the top k's note) of the best: the most positions
+        matched, then the fewest differences from the declared configuration. The declared
         structure first, then every other, each with beta and tau fitted; then, if none matched
         every position and the numbers are logits, the declared structure and the nearest others
         (PHASE_TWO in all) with the temperatures fitted too. The first that matches every position
@@ -827,6 +889,8 @@ class Fit:
         found = []
         temperatures = ("student_t", "teacher_t")
         structures = self.structures()
+        if self.narrow:
+            structures = structures[:1]
         for fit_temperatures in (False, True):
             if fit_temperatures:
                 if not (self.student.free or self.teacher.free):
@@ -845,9 +909,10 @@ class Fit:
                     break
             if found[-1][0] == self.total:
                 break
-        found.sort(key=lambda f: (-f[0], len(differences(f[1], self.declared))))
-        return [(n, c, self.k_note(c) if c.support == "top-k" else None) for n, c in found[:1]] + \
-            [(n, c, None) for n, c in found[1:]]
+        n, c = min(found, key=lambda f: (-f[0], len(differences(f[1], self.declared))))
+        if c.support == "top-k":
+            return n, c, self.k_note(c)
+        return n, c, None
 
     def degenerate(self, c):
         """Whether c's values are all within the tolerance of zero while the peer's are not: a form
@@ -909,16 +974,43 @@ def batch_problems(input_ids, attention_mask, position_ids, answer_mask, scored_
                              "answer token 0, so the output at the position before it (a pad's) "
                              "predicts it, not the prompt's last token's."))
         if scored_mask is not None:
-            scored = scored_mask[row].bool().nonzero()[:, 0]
-            if scored.tolist() != (answer - 1).tolist():
-                offset = next((k for k in (1, -1) if scored.tolist() == (answer - 1 + k).tolist()),
-                              None)
-                at = scored.tolist()[:1]
-                problems.append((offset and f"shift:{offset:+d}",
-                                 f"row {row}: answer token 0 (index {first}) is scored with the "
-                                 f"output at index {at[0] if at else None}, not at index "
-                                 f"{first - 1} (the token before it)."))
+            problems += scored_problems(row, scored_mask[row].bool(), real, answer)
     return problems
+
+
+def scored_problems(row, scored, real, answer):
+    """batch_problems' sentences on one row's scored positions: shifted, or more than the positions
+    before the answer tokens (the cause "beyond-answer"), or else not those."""
+    wanted = (answer - 1).tolist()
+    at = scored.nonzero()[:, 0].tolist()
+    if at == wanted:
+        return []
+    first = wanted[0] + 1
+    for offset in (1, -1):
+        if at == [i + offset for i in wanted]:
+            return [(f"shift:{offset:+d}", f"row {row}: answer token 0 (index {first}) is scored "
+                     f"with the output at index {first - 1 + offset}, not at index {first - 1} "
+                     "(the token before it).")]
+    extra = sorted(set(at) - set(wanted))
+    if set(wanted) <= set(at):
+        last = wanted[-1] + 1
+        kinds = []
+        if last in extra:
+            kinds.append(f"the output at the answer's last token (index {last}), which predicts no "
+                         "answer token")
+        prompt = [i for i in extra if i < first - 1 and real[i]]
+        if prompt:
+            kinds.append(f"{len(prompt)} outputs at prompt tokens (indices {prompt[0]} to "
+                         f"{prompt[-1]})")
+        pads = [i for i in extra if not real[i]]
+        if pads:
+            kinds.append(f"{len(pads)} outputs at pads")
+        kinds = kinds or [f"{len(extra)} other outputs"]
+        return [("beyond-answer", f"row {row}: besides the {len(wanted)} outputs before its answer "
+                 f"tokens, the loss scores {' and '.join(kinds)}.")]
+    missing = sorted(set(wanted) - set(at))
+    return [(None, f"row {row}: the output before answer token {missing[0] - first + 1} (index "
+             f"{missing[0]}) is not scored; {len(extra)} other outputs are.")]
 
 
 # -----------------------------------------------------------------------------
@@ -941,10 +1033,11 @@ class Dump(NamedTuple):
 ROW_TENSORS = ("student_logprobs", "teacher_logprobs", "student_logits", "teacher_logits",
                "student_token_logprobs", "teacher_token_logprobs", "divergence",
                "student_prompt_ids", "teacher_prompt_ids", "teacher_topk_ids",
-               "teacher_topk_logprobs", "student_topk_logprobs", "sampler_token_logprobs")
+               "teacher_topk_logprobs", "student_topk_logprobs", "sampler_token_logprobs",
+               "beyond_divergence")
 BATCH_TENSORS = ("input_ids", "attention_mask", "position_ids", "answer_mask", "scored_mask")
 DECLARABLE = {"temperature": float, "beta": float, "tau": float, "skip_first_tokens": int,
-              "support": str, "form": str}
+              "support": str, "form": str, "scale": str, "nll": float}
 
 
 def write_dump(path, *, setting=None, clip, rows, loss=None, normalisation=None,
@@ -960,18 +1053,11 @@ def write_dump(path, *, setting=None, clip, rows, loss=None, normalisation=None,
         tensors.update({f"row{i}.{name}": t.contiguous() for name, t in named.items()})
     for (k, side), named in (batches or {}).items():
         tensors.update({f"batch{k}.{side}.{name}": t.contiguous() for name, t in named.items()})
-    meta = {"clip": clip}
-    if setting is not None:
-        meta["setting"] = setting
     if loss is not None:
-        meta["loss"] = repr(float(loss))
-    if normalisation is not None:
-        meta["normalisation"] = normalisation
-    if micro_batch_size is not None:
-        meta["micro_batch_size"] = str(micro_batch_size)
-    if logits is not None:
-        meta["logits"] = logits
-    meta.update({key: str(value) for key, value in declared.items()})
+        loss = float(loss)
+    given = {"clip": clip, "setting": setting, "loss": loss, "normalisation": normalisation,
+             "micro_batch_size": micro_batch_size, "logits": logits, **declared}
+    meta = {key: str(value) for key, value in given.items() if value is not None}
     save_file(tensors, str(path), metadata=meta)
 
 
@@ -1027,82 +1113,55 @@ def read_dump(path):
 # -----------------------------------------------------------------------------
 # The checks
 
+PADDED = "(prompts padded on the right, answers after the pads, logits taken from the " \
+    "micro-batch's prompt length)"
+TOP_K = {"renormalised": "both sides' probabilities renormalised over them",
+         "tail": "and one more entry holding the rest of each side's mass",
+         "both-raw": "both sides' log-probs used as they are (their sums below 1)",
+         **{f"{side}-raw": f"the {other}'s probabilities renormalised over them and the {side}'s "
+            "log-probs used as they are" for side, other in zip(SIDES, reversed(SIDES))}}
 CAUSES = {
-    "temperature:student": "the student's log-probs are at another temperature than the declared "
-                           "one",
-    "temperature:teacher": "the teacher's log-probs are at another temperature than the declared "
-                           "one",
-    "temperature:both": "both sides' log-probs are at another temperature than the declared one",
+    **{f"temperature:{side}": f"{whose} log-probs are at another temperature than the declared "
+       "one" for side, whose in (("student", "the student's"), ("teacher", "the teacher's"),
+                                 ("both", "both sides'"))},
     "beta": "another divergence than the declared one (beta 0 the forward KL, 1 the reverse, "
             "between the generalized JSD)",
     "clip:entry": "the clip bounds each vocabulary entry's term before the sum (the entry clip)",
     "clip:token": "the clip bounds the position's sum, after the sum (the token clip)",
     "clip:none": "no clip",
     "tau": "the clip bounds at another tau than the declared one",
-    "normalisation:micro-batch": "the loss is the mean over micro-batches of each micro-batch's "
-                                 "token mean, not the step's sum over all its answer tokens / "
-                                 "their number",
-    "normalisation:answer": "the loss is the mean over answers of each answer's token mean, not "
-                            "the step's sum over all its answer tokens / their number",
-    "normalisation:row": "the loss is the mean over answers of each answer's sum (the step's sum / "
-                         "the number of answers), not the step's sum / the number of its answer "
-                         "tokens",
-    "normalisation:sum": "the loss is the step's sum over its answer tokens, not divided by their "
-                         "number",
-    "normalisation:divisor": "the loss is the step's sum over its answer tokens divided by a "
-                             "number other than theirs",
+    **{f"normalisation:{how}": f"the loss is {what}, not the step's sum over all its answer tokens "
+       "/ their number" for how, what in (
+           ("micro-batch", "the mean over micro-batches of each micro-batch's token mean"),
+           ("answer", "the mean over answers of each answer's token mean"),
+           ("row", "the mean over answers of each answer's sum (the step's sum / the number of "
+                   "answers)"),
+           ("sum", "the step's sum over its answer tokens"),
+           ("divisor", "the step's sum divided by a count the dump shows (given)"))},
     "skip:ignored": "the first answer positions are not left out of the loss (--skip-first-tokens)",
     "skip:counted": "the left-out first positions still count in the loss's denominator",
-    "pad-first:student": "the first answer position of each row whose student prompt is shorter "
-                         "than its micro-batch's longest is predicted from a pad's hidden state "
-                         "(prompts padded on the right, answers after the pads, logits taken from "
-                         "the micro-batch's prompt length)",
-    "pad-first:teacher": "the first answer position of each row whose teacher prompt is shorter "
-                         "than its micro-batch's longest is predicted from a pad's hidden state "
-                         "(prompts padded on the right, answers after the pads, logits taken from "
-                         "the micro-batch's prompt length)",
+    **{f"pad-first:{side}": f"the first answer position of each row whose {side} prompt is shorter "
+       f"than its micro-batch's longest is predicted from a pad's hidden state {PADDED}"
+       for side in SIDES},
     "pad-first:either": "the first answer position of rows whose prompts are shorter than their "
                         "micro-batch's longest on both sides is predicted from a pad's hidden "
                         "state (the rows cannot tell which side)",
-    "position-ids:student": "the answer tokens of rows with a shorter student prompt sit at "
-                            "position ids counted over the pads after the prompt, not over the "
-                            "real tokens",
-    "position-ids:teacher": "the answer tokens of rows with a shorter teacher prompt sit at "
-                            "position ids counted over the pads after the prompt, not over the "
-                            "real tokens",
+    **{f"position-ids:{side}": f"the answer tokens of rows with a shorter {side} prompt sit at "
+       "position ids counted over the pads after the prompt, not over the real tokens"
+       for side in SIDES},
     "position-ids:either": "the answer tokens of rows with shorter prompts sit at position ids "
                            "counted over the pads (the rows cannot tell which side)",
     "shift:+1": "every position is one too late: position j is the output at answer token j itself "
                 "(which predicts token j + 1), not at the token before it",
     "shift:-1": "every position is one too early: position j is the output two tokens before "
                 "answer token j",
-    "prompt:student": "the student's prompt differs from the fixture's (compare your ids with each "
-                      "row's student_prompt_ids)",
-    "prompt:teacher": "the teacher's prompt differs from the fixture's (compare your ids with each "
-                      "row's teacher_prompt_ids)",
+    **{f"prompt:{side}": f"the {side}'s prompt differs from the fixture's (compare your ids with "
+       f"each row's {side}_prompt_ids)" for side in SIDES},
     "logits:divided": "these logits are already divided by a temperature, though the dump's "
                       "metadata (or the other side) says raw: dump both sides alike and say which "
                       "in the metadata's logits",
-    "top-k:student:renormalised": "the divergence is taken over the student's top k entries only, "
-                                  "both sides' probabilities renormalised over them",
-    "top-k:student:tail": "the divergence is taken over the student's top k entries and one more "
-                          "entry holding the rest of each side's mass",
-    "top-k:teacher:renormalised": "the divergence is taken over the teacher's top k entries only, "
-                                  "both sides' probabilities renormalised over them",
-    "top-k:teacher:tail": "the divergence is taken over the teacher's top k entries and one more "
-                          "entry holding the rest of each side's mass",
-    "top-k:student:teacher-raw": "the value is taken over the student's top k entries, the "
-                                 "student's probabilities renormalised over them and the teacher's "
-                                 "log-probs used as they are",
-    "top-k:teacher:student-raw": "the value is taken over the teacher's top k entries, the "
-                                 "teacher's probabilities renormalised over them and the student's "
-                                 "log-probs used as they are (their sum below 1)",
-    "top-k:student:student-raw": "the value is taken over the student's top k entries, the "
-                                 "teacher's probabilities renormalised over them and the student's "
-                                 "log-probs used as they are",
-    "top-k:teacher:teacher-raw": "the value is taken over the teacher's top k entries, the "
-                                 "student's probabilities renormalised over them and the teacher's "
-                                 "log-probs used as they are",
+    **{f"top-k:{by}:{kind}": f"the value is taken over the {by}'s top k entries only, {how}"
+       for by in SIDES for kind, how in TOP_K.items()},
     "form:mixed": "the value is a weighted sum of the two KLs, w KL(T || S) + (1 - w) KL(S || T), "
                   "not the declared divergence (at w 0.5 it is far from the JSD of beta 0.5)",
     "form:cross-entropy": "the value is the cross-entropy -sum_v p_T(v) log p_S(v), the forward KL "
@@ -1116,6 +1175,16 @@ CAUSES = {
                               "no signal",
     "value:unexplained": "your values at some positions are none of the configurations tried "
                          "(its size: those positions replaced by what explains the rest)",
+    "loss:unexplained": "your loss is not reproduced from your rows: no normalisation of your "
+                        "values, nor their sum over a count the dump shows, gives it (its size: "
+                        "your loss against your values' step token mean)",
+    "scored:beyond-answer": "the loss also scores outputs that predict no answer token (the "
+                            "output at the answer's last token, prompt tokens or pads: the batch "
+                            "check says which); its size: your loss without them",
+    "scale": "every value is a constant times the declared one",
+    "scale:T^2": "every value is the declared one times the temperature squared",
+    "term:nll": "the value adds a weight of the student's negative log-likelihood of the sampled "
+                "token, -log p_S(y), to the declared value (itself weighted)",
     "support:full": "the value is taken over the whole vocabulary, not over the declared support",
     "clamp:halves": "each half of the sampled-token value is clamped at >= 0",
     "clamp:none": "the sampled-token value's halves are not clamped, though declared so",
@@ -1262,13 +1331,6 @@ def side_numbers(dump, side):
     return None, {}
 
 
-def top_ids(dump):
-    """{row: (L, K) ids} of the teacher's top K the dump holds, or {}."""
-    if not dump.rows or not all("teacher_topk_ids" in t for t in dump.rows.values()):
-        return {}
-    return {r: t["teacher_topk_ids"].long() for r, t in dump.rows.items()}
-
-
 def compare_side(ref, dump, side, declared, size, divided=False, inferred=False, own_prompts=False,
                  skip=0):
     """Check: the side's log-probs (or logits: raw, or already divided by the temperature when
@@ -1289,7 +1351,7 @@ def compare_side(ref, dump, side, declared, size, divided=False, inferred=False,
     token = key.endswith("_token_logprobs")
     ids = {}
     if key.endswith("_topk_logprobs"):
-        ids = top_ids(dump)
+        ids = {r: t["teacher_topk_ids"].long() for r, t in dump.rows.items()}
     raw = logits and not divided
     expected = T  # the temperature the reference's log-softmax is compared at
     if raw:
@@ -1324,31 +1386,33 @@ def compare_side(ref, dump, side, declared, size, divided=False, inferred=False,
                 out[row] = (v - want).abs().amax(-1)
         return out
 
-    def count(temperature):
-        return sum(int((e <= TOL_LOGPROB).sum()) for e in errors(temperature).values())
+    def count(temperature, offset):
+        return sum(int((e <= TOL_LOGPROB).sum()) for e in errors(temperature, offset).values())
 
     total = sum(ref.lengths[r] for r in x)
-    fitted = minimise(lambda t: sum(float(e.sum()) for e in errors(t).values()), *TEMPERATURES,
-                      log=True)
-    # name: (errors' arguments, causes)
+    # name: (errors' arguments, causes); the temperature fitted at each alignment of the positions,
+    # so that one at the positions a shift puts them is not read at the unshifted ones
     hypotheses = {"the fixture": ({"temperature": expected}, [])}
-    moved = not same(fitted, expected) and count(fitted) > max(count(expected), total // 2)
-    notes = {}
-    temperatures = [(expected, None, "")]
-    if moved:
-        cause = f"temperature:{side}"
-        label = f"temperature {fitted:.4g}"
-        notes[cause] = f"T {fitted:.4g}, {expected:g} declared"
+    notes, fits = {}, {}
+    for offset in (0, 1, -1):
+        shift, where = [], ""
+        if offset:
+            shift, where = [f"shift:{offset:+d}"], f"positions shifted by {offset:+d}"
+            hypotheses[where] = ({"temperature": expected, "offset": offset}, shift)
+        fitted = minimise(lambda t: sum(float(e.sum()) for e in errors(t, offset).values()),
+                          *TEMPERATURES, log=True)
+        fits[offset] = fitted
+        if same(fitted, expected) or count(fitted, offset) <= max(count(expected, offset),
+                                                                  total // 2):
+            continue
+        cause, label = f"temperature:{side}", f"temperature {fitted:.4g}"
+        note = f"T {fitted:.4g}, {expected:g} declared"
         if raw:
-            cause, label = "logits:divided", f"logits divided by {fitted:.4g}"
-            notes[cause] = f"by {fitted:.4g}"
-        temperatures.append((fitted, cause, label))
-        hypotheses[label] = ({"temperature": fitted}, [cause])
-    for t, cause, label in temperatures:
-        for offset in (1, -1):
-            hypotheses[", ".join(filter(None, [label, f"positions shifted by {offset:+d}"]))] = (
-                {"temperature": t, "offset": offset},
-                ([cause] if cause else []) + [f"shift:{offset:+d}"])
+            cause, label, note = "logits:divided", f"logits divided by {fitted:.4g}", \
+                f"by {fitted:.4g}"
+        label = ", ".join(filter(None, [label, where]))
+        hypotheses[label] = ({"temperature": fitted, "offset": offset}, [cause] + shift)
+        notes[label] = {cause: note}
     hypotheses["position ids counted over the pads"] = ({"temperature": expected, "padded": size},
                                                         [f"position-ids:{side}"])
     if side == "teacher":
@@ -1363,6 +1427,12 @@ def compare_side(ref, dump, side, declared, size, divided=False, inferred=False,
     reading = diagnose({h: c for h, (_, c) in hypotheses.items()}, errs, matched, ref.lengths,
                        {side: ref.shorter(side, size)})
     found, causes = reading.lines, reading.causes
+    if not reading.explained:  # a hypothesis that explains some positions only is no verified cause
+        causes = []
+        found.append("no hypothesis tried explains every position: nothing is named")
+    offset = hypotheses[reading.best][0].get("offset", 0)
+    at, fitted = hypotheses[reading.best][0]["temperature"], fits[offset]
+    notes = notes.get(reading.best, {})
     sizes = {}
     if causes:
         scale = 1.0
@@ -1391,20 +1461,19 @@ def compare_side(ref, dump, side, declared, size, divided=False, inferred=False,
     ok = not causes and found[0].startswith("all")
     head = f"{unit}, |delta log p| within {TOL_LOGPROB:g}: {found[0]}"
     if ids and side == "teacher":
-        found.append(top_ids_line(ref, ids, fitted if moved else expected))
-    at = fitted if moved else expected
-    residual = max_error(errors(at))
-    if raw and not moved:
+        found.append(top_ids_line(ref, ids, at))
+    residual = f"|delta log p| up to {max_error(errs[reading.best]):.1e}"
+    identified = f"{side}: log-probs at T {at:.4g} (fitted: {fitted:.4g}), {residual}"
+    if raw:
+        identified = f"{side}: logits divided by {at:.4g}, {residual}"
+    if raw and at == expected:
         identified = f"{side}: raw logits (the temperature is not in them; the divergence shows it)"
-    else:
-        identified = f"{side}: log-probs at T {at:.4g} (fitted: {fitted:.4g}), " \
-                     f"|delta log p| up to {residual:.1e}"
-        if raw:
-            identified = f"{side}: logits divided by {at:.4g}, |delta log p| up to {residual:.1e}"
     if reading.best == student_like:
-        residual = max_error(errs[student_like])
         identified = f"{side}: the student's log-probs (the teacher given the student's prompt), " \
-                     f"|delta log p| up to {residual:.1e}"
+                     f"{residual}"
+    if not reading.explained:
+        identified = f"{side}: no hypothesis tried explains every position (|delta log p| up to " \
+                     f"{max_error(errs['the fixture']):.1e} from the declared)"
     return Check(name, "matches" if ok else "differs", [head, *found[1:]], causes,
                  {c: n for c, n in notes.items() if c in causes}, identified, sizes)
 
@@ -1421,7 +1490,7 @@ def side_sizes(ref, side, declared, skip, own, hypotheses, reading, scale):
     same with the positions each cause explains replaced by the reference's without that cause.
     scale:
     the hypotheses' temperatures are this many times the loss temperature's (raw logits: 1 / T)."""
-    other = other_side(side)
+    other = SIDES[1 - SIDES.index(side)]
     best = hypotheses[reading.best][0]
     rows = list(range(len(ref.rows)))
     if own is not None:
@@ -1432,9 +1501,9 @@ def side_sizes(ref, side, declared, skip, own, hypotheses, reading, scale):
               "padded": arguments.get("padded")}
         return ref.log_probs(arguments.get("source") or side, row, **kw)
 
-    def loss(log_p):
+    def loss(log_p, offset):  # the other side's log-probs at the same positions as this side's
         mine = torch.cat([log_p[row] for row in rows])
-        theirs = torch.cat([ref.log_probs(other, row, getattr(declared, f"{other}_t"))
+        theirs = torch.cat([ref.log_probs(other, row, getattr(declared, f"{other}_t"), offset)
                             for row in rows])
         pair = {side: Numbers(logprobs=mine), other: Numbers(logprobs=theirs)}
         y = torch.cat([torch.tensor(ref.rows[row]["completion_ids"]) for row in rows])
@@ -1444,10 +1513,14 @@ def side_sizes(ref, side, declared, skip, own, hypotheses, reading, scale):
 
     if own is None:
         own = {row: reference(row, best) for row in rows}
-    with_it = loss(own)
+    offset = best.get("offset", 0)
+    with_it = loss(own, offset)
     sizes = {}
     for cause in reading.causes:
         arguments = dict(best)
+        shift = offset
+        if cause.startswith("shift"):  # a shift moves both sides' positions: undone on both
+            shift = 0
         if cause in hypotheses[reading.best][1]:
             undo = UNDO[cause.split(":")[0]]
             arguments[undo] = {"temperature": hypotheses[next(iter(hypotheses))][0]["temperature"],
@@ -1456,7 +1529,7 @@ def side_sizes(ref, side, declared, skip, own, hypotheses, reading, scale):
         for row, at in reading.positions.get(cause, {}).items():
             undone[row] = own[row].clone()
             undone[row][at] = reference(row, arguments)[at]
-        sizes[cause] = (with_it, loss(undone))
+        sizes[cause] = (with_it, loss(undone, shift))
     return sizes
 
 
@@ -1499,19 +1572,19 @@ def logits_form(ref, dump, T):
     return count[T] >= count[1.0] and count[T] > 0, True
 
 
-def own_numbers(dump, rows, divided):
+def own_numbers(dump, rows, divided, sides=SIDES):
     """{side: Numbers} of the dump's own numbers over `rows`, concatenated (raw logits keep their
-    temperature a parameter; log-probs at the teacher's top K ids keep the sampled token's too, and
-    the student's the sampler's), or None if a side has none."""
+    temperature a parameter; log-probs at the teacher's top K ids keep the sampled token's too), or
+    None if one of `sides` has none."""
     def joined(name):
         if not all(name in dump.rows.get(r, {}) for r in rows):
             return None
         return torch.cat([dump.rows[r][name].double() for r in rows])
 
     out = {}
-    for side in SIDES:
+    for side in sides:
         key, numbers = side_numbers(dump, side)
-        if key is None:
+        if key is None or not all(r in numbers for r in rows):
             return None
         x = torch.cat([numbers[r] for r in rows])
         if key.endswith("_token_logprobs"):
@@ -1525,16 +1598,22 @@ def own_numbers(dump, rows, divided):
             out[side] = Numbers(logprobs=torch.log_softmax(x, -1))
         else:
             out[side] = Numbers(logprobs=x)
-    out["student"].sampler = joined("sampler_token_logprobs")
     return out
 
 
-def sampler_of(dump, rows):
-    """(N,) the sampler's log-probs of the sampled tokens the dump holds over `rows`, or None: the
-    peer's input to an importance-sampling ratio, as its prompts are."""
+def importance_ratio(dump, rows, y, temperature, divided):
+    """(N,) the log of the importance ratio p_S(y) / p_sampler(y) over `rows`, from the dump's own
+    numbers alone: the sampler's log-probs against the student's the dump holds, which are of the
+    same prompt (the peer's), whatever the fixture's; None where the dump lacks either."""
     if not rows or not all("sampler_token_logprobs" in dump.rows.get(r, {}) for r in rows):
         return None
-    return torch.cat([dump.rows[r]["sampler_token_logprobs"].double() for r in rows])
+    own = own_numbers(dump, rows, divided, ("student",))
+    if own is None:
+        return None
+    a = own["student"].of_token(temperature, y)
+    if a.isnan().any():
+        return None
+    return a - torch.cat([dump.rows[r]["sampler_token_logprobs"].double() for r in rows])
 
 
 def reference_numbers(ref, rows, offset=0, padded=(), size=None):
@@ -1551,10 +1630,11 @@ def reference_numbers(ref, rows, offset=0, padded=(), size=None):
 
 REVERTS = {  # a cause's kind: the Config fields that undoing it puts back to the declared ones
     "temperature": ("student_t", "teacher_t"), "beta": ("beta",), "tau": ("tau",),
-    "clip": ("clip", "tau"), "clamp": ("clamp",), "form": ("form", "w"),
+    "clip": ("clip", "tau"), "clamp": ("clamp",), "form": ("weights", "beta"),
     "top-k": ("support", "by", "k", "tail", "raw", "clamp"),
-    "support": ("support", "by", "k", "tail", "raw", "form", "clamp"),
-    "sampled-token": ("support", "by", "k", "tail", "raw", "form", "clamp"),
+    "support": ("support", "by", "k", "tail", "raw", "form", "weights", "clamp"),
+    "sampled-token": ("support", "by", "k", "tail", "raw", "form", "weights", "clamp"),
+    "scale": ("scale",), "term": ("scale", "nll"),
 }
 
 
@@ -1597,14 +1677,28 @@ def allowance(own):
            "value over several entries (dump the student's log-probs at the teacher's ids)"
 
 
-def compare_divergence(ref, dump, declared, skip, size, divided=False, own_prompts=False):
+def equal_sides(own, declared, y):
+    """Whether both sides' own numbers are equal within the log-probs' tolerance (at the sampled
+    token where that is all a side holds)."""
+    if own is None:
+        return False
+    if own["student"].full and own["teacher"].full:
+        pair = [own[side].log_probs(getattr(declared, f"{side}_t")) for side in SIDES]
+    else:
+        pair = [own[side].of_token(getattr(declared, f"{side}_t"), y) for side in SIDES]
+    return bool(((pair[0] - pair[1]).abs() <= TOL_LOGPROB).all())
+
+
+def compare_divergence(ref, dump, declared, skip, size, divided=False, own_prompts=False,
+                       ratio=None):
     """(Check, the peer's per-position values {row: (L,)} or None): the per-position values, against
     the reference's under the declared configuration; what configuration explains them, fitted to
     the peer's own log-probs when it dumped them, else to the reference's (with the positions
     shifted or counted over pads, or the teacher given the student's prompt). Each cause's size:
     the step's token mean of the values as found, against the same with that departure alone
     undone; a value nothing explains is a cause too (`value:unexplained`), its size that of the
-    positions it holds."""
+    positions it holds. ratio: the log importance ratio (importance_ratio). Values that carry no
+    information (all within the tolerance of 0, or from two equal sides) are fitted to nothing."""
     name = "divergence"
     if not dump.rows or not all("divergence" in t for t in dump.rows.values()):
         return Check(name, "not checked", ["the dump holds no divergence for every row"], []), None
@@ -1634,7 +1728,7 @@ def compare_divergence(ref, dump, declared, skip, size, divided=False, own_promp
 
     def fixture_values(**kw):
         numbers = reference_numbers(ref, rows, **kw)
-        numbers["student"].sampler = sampler_of(dump, rows)
+        numbers["student"].ratio = ratio
         return config_values(declared, numbers["student"], numbers["teacher"], y, P, TOL_LOGPROB)
 
     asked = fixture_values()
@@ -1656,9 +1750,22 @@ def compare_divergence(ref, dump, declared, skip, size, divided=False, own_promp
                            f"{largest:.1e})"), peer
     unexplained = (step(P), step(torch.where(close(P, asked), P, asked)))
     own = own_numbers(dump, rows, divided)
+    silent = bool((P[kept].abs() <= TOL_DIVERGENCE[0]).all())
+    if silent or equal_sides(own, declared, y):
+        why = f"every value of yours lies within {TOL_DIVERGENCE[0]:g} of 0"
+        if not silent:
+            why = "your two sides' log-probs are equal"
+        causes = []
+        if silent:  # what a teacher given the student's prompt gives
+            causes = ["prompt:teacher=student"]
+        return Check(name, "differs", [head, f"{why}: such values tell no form, beta, support, "
+                                             "temperature or scale, and none is fitted"],
+                     causes, found=f"the value: nothing can be told ({why})",
+                     sizes={c: (step(P), step(asked)) for c in causes}), peer
     if own is not None:
+        own["student"].ratio = ratio
         fit = Fit(own["student"], own["teacher"], y, P, kept, declared)
-        count, c, note = fit.identify()[0]
+        count, c, note = fit.identify()
         numbers = "sampled-token log-probs"
         if own["student"].full and own["teacher"].full:
             numbers = "log-probs"
@@ -1667,26 +1774,23 @@ def compare_divergence(ref, dump, declared, skip, size, divided=False, own_promp
         if own["student"].free or own["teacher"].free:
             numbers = "logits"
         said = describe(c, numbers == "logits")
-        allowed = allowance(own)
+        allowed = [line for line in [allowance(own)] if line]
         if count == total:
             causes = differences(c, declared, note)
             values = fit.values(c)
             largest = float(((P - values).abs() * kept).max())
-            lines = [head, f"every position equals {said}, from your {numbers}"]
+            lines = [head, f"every position equals {said}, from your {numbers}", *allowed]
             if not causes:
                 lines[1] = "every position is computed as asked from your log-probs, so the " \
                            "differences come from the log-probs (above)"
-            if allowed:
-                lines.append(allowed)
             sized = own
             if not (own["student"].full and own["teacher"].full):
                 sized = reference_numbers(ref, rows)
-            with_it = step(config_values(c, sized["student"], sized["teacher"], y))
-            sizes = {}
-            for cause, _ in causes:
-                back = undone(c, cause, declared)
-                sizes[cause] = (with_it, step(config_values(back, sized["student"],
-                                                            sized["teacher"], y)))
+
+            def loss(config):  # the step's token mean of config's values
+                return step(config_values(config, sized["student"], sized["teacher"], y))
+
+            sizes = {cause: (loss(c), loss(undone(c, cause, declared))) for cause, _ in causes}
             found = f"the value: {kind_of(c)}, {said}, from your {numbers}: all {total} " \
                     f"positions within tolerance{zero_note(near_zero(P, values, kept))} " \
                     f"(largest difference {largest:.1e})"
@@ -1694,9 +1798,7 @@ def compare_divergence(ref, dump, declared, skip, size, divided=False, own_promp
                          found, sizes), peer
         lines = [head,
                  f"no configuration tried explains your values from your own {numbers} within "
-                 "tolerance"]
-        if allowed:
-            lines.append(allowed)
+                 "tolerance", *allowed]
         if count >= HINT_SHARE * total and not fit.degenerate(c):
             lines.append(f"the nearest, {said}, matches {count} of {total} positions "
                          f"({count / total:.0%}){zero_note(near_zero(P, fit.values(c), kept))}")
@@ -1732,20 +1834,35 @@ def compare_divergence(ref, dump, declared, skip, size, divided=False, own_promp
     reading = read(hypotheses)
     notes, identified = {}, None
     if not reading.explained:
-        numbers = reference_numbers(ref, rows)
-        numbers["student"].sampler = sampler_of(dump, rows)
-        fit = Fit(numbers["student"], numbers["teacher"], y, P, kept, declared, TOL_LOGPROB)
-        count, c, note = fit.identify()[0]
+        found = []  # fitted where a shift puts the positions too; the most positions matched
+        for offset in (0, 1, -1):
+            numbers = reference_numbers(ref, rows, offset)
+            if offset:  # shifted, at the declared temperatures (not fitted there)
+                numbers = {side: Numbers(logprobs=x.log_probs(getattr(declared, f"{side}_t")))
+                           for side, x in numbers.items()}
+            numbers["student"].ratio = ratio
+            fit = Fit(numbers["student"], numbers["teacher"], y, P, kept, declared, TOL_LOGPROB,
+                      bool(offset))
+            found.append((*fit.identify(), offset, fit))
+            if found[-1][0] == total:
+                break
+        count, c, note, offset, fit = max(found, key=lambda f: f[0])
         if count > total // 2:  # a majority: the positions it leaves are read by their pattern
             changes = differences(c, declared, note)
             label = describe(c)
             trial = dict(hypotheses)
+            undo[label] = {cause: fit.values(undone(c, cause, declared)) for cause, _ in changes}
+            if offset:
+                label += f", positions shifted by {offset:+d}"
+                changes.append((f"shift:{offset:+d}", None))
+                unshifted = reference_numbers(ref, rows)
+                unshifted["student"].ratio = ratio
+                undo[label] = {**undo.pop(describe(c)), changes[-1][0]: config_values(
+                    c, unshifted["student"], unshifted["teacher"], y, P, TOL_LOGPROB)}
             trial[label] = (fit.values(c), [cause for cause, _ in changes])
             second = read(trial)
             if second.explained:
                 reading, hypotheses, notes = second, trial, dict(changes)
-                undo[label] = {cause: fit.values(undone(c, cause, declared))
-                               for cause, _ in changes}
                 identified = f"the value: {kind_of(c)}, {label}"
                 if count == total:
                     identified += f": all {total} positions within tolerance"
@@ -1753,10 +1870,12 @@ def compare_divergence(ref, dump, declared, skip, size, divided=False, own_promp
             reading.lines.append(f"the nearest configuration tried, {describe(c)}, matches {count} "
                                  f"of {total} positions ({count / total:.0%})")
     causes = list(reading.causes)
-    if not reading.explained:
+    if not reading.explained:  # what explains some positions only is no verified cause
         reading.lines.append("no configuration tried explains your values within tolerance")
         identified = "the value: no configuration tried explains it"
-        causes.append("value:unexplained")
+        causes = ["value:unexplained"]
+        hypotheses[reading.best] = (asked, [])
+        reading.positions[None] = {r: ~m[skip:] for r, m in per_row(close(P, asked)).items()}
     best = hypotheses[reading.best][0]
     sizes = {}
     for cause in causes:
@@ -1782,27 +1901,38 @@ def setting_figures(ref, setting):
                                tau=setting["tau"]) for c in CLIPS}
 
 
-def compare_loss(ref, dump, skip, peer_values, source, expected):
+def compare_loss(ref, dump, skip, peer_values, source, expected, counts, scored_beyond=False):
     """Check: the loss, against the expected one; its normalisation from per-position values
-    `peer_values` ({row: (L,)}, from `source`)."""
+    `peer_values` ({row: (L,)}, from `source`), with the values the dump holds beyond the answers
+    (beyond_divergence) where it holds them; a divisor named only where it is one of `counts`
+    ({what: number}, the counts the dump shows); scored_beyond: the batch check found outputs the
+    loss scores beyond the answers."""
     name = "loss"
     if dump.loss is None:
         return Check(name, "not checked", ["the dump states no loss"], [])
     values = [peer_values[r] for r in range(len(ref.rows))]
     size = dump.micro_batch_size or ref.micro_batch_size
-    candidates = {"the step's token mean": ([], normalised(values, "step", size, skip))}
-    candidates[f"the mean of micro-batches' token means ({size} rows each)"] = (
-        ["normalisation:micro-batch"], normalised(values, "micro-batch", size, skip))
-    candidates["the mean of answers' token means"] = (["normalisation:answer"],
-                                                      normalised(values, "answer", size, skip))
-    candidates["the mean of answers' sums"] = (["normalisation:row"],
-                                               normalised(values, "row", size, skip))
-    candidates["the step's sum"] = (["normalisation:sum"], normalised(values, "sum", size, skip))
-    if skip:
-        candidates["the step's token mean over every position"] = (
-            ["skip:ignored"], normalised(values, "step", size, 0))
-        candidates[f"the sum over positions {skip} on / every position's number"] = (
-            ["skip:counted"], normalised(values, "step", size, skip, count_skipped=True))
+    kinds = [("the step's token mean", "step", []),
+             (f"the mean of micro-batches' token means ({size} rows each)", "micro-batch",
+              ["normalisation:micro-batch"]),
+             ("the mean of answers' token means", "answer", ["normalisation:answer"]),
+             ("the mean of answers' sums", "row", ["normalisation:row"]),
+             ("the step's sum", "sum", ["normalisation:sum"])]
+    sets = [("", values, [])]
+    if all("beyond_divergence" in dump.rows.get(r, {}) for r in range(len(ref.rows))):
+        with_beyond = [torch.cat([v, dump.rows[r]["beyond_divergence"].double()])
+                       for r, v in enumerate(values)]
+        sets.append((", with the positions beyond the answers", with_beyond,
+                     ["scored:beyond-answer"]))
+    candidates = {}  # {label: (causes, value)}
+    for suffix, v, extra in sets:
+        for label, how, causes in kinds:
+            candidates[label + suffix] = (extra + causes, normalised(v, how, size, skip))
+        if skip:
+            candidates["the step's token mean over every position" + suffix] = (
+                extra + ["skip:ignored"], normalised(v, "step", size, 0))
+            candidates[f"the sum over positions {skip} on / every position's number" + suffix] = (
+                extra + ["skip:counted"], normalised(v, "step", size, skip, count_skipped=True))
     rel = lambda a, b: (a - b) / max(abs(b), 1e-30)  # noqa: E731
     hits = [h for h, (_, v) in candidates.items() if abs(rel(dump.loss, v)) <= TOL_LOSS]
     named = ""
@@ -1811,11 +1941,16 @@ def compare_loss(ref, dump, skip, peer_values, source, expected):
     lines = [f"your loss {dump.loss:.9g}{named}; the expected {expected:.9g} "
              f"({rel(dump.loss, expected):+.2e} relative)"]
     lines.append(f"from {source}: " + "; ".join(f"{h} {v:.9g}" for h, (_, v) in candidates.items()))
-    causes, notes = [], {}
+    causes, notes, sizes = [], {}, {}
     step = candidates["the step's token mean"][1]
     total = normalised(values, "sum", size, skip)
     identified = None
-    if len(hits) == 1:
+    mine = source.startswith("your")
+    silent = all(bool((v[skip:].abs() <= TOL_DIVERGENCE[0]).all()) for v in values)
+    if silent:
+        lines.append(f"every value lies within {TOL_DIVERGENCE[0]:g} of 0: no normalisation or "
+                     "divisor can be told from them")
+    elif len(hits) == 1:
         causes = candidates[hits[0]][0]
         line = f"your loss is {hits[0]}"
         if causes:
@@ -1823,21 +1958,42 @@ def compare_loss(ref, dump, skip, peer_values, source, expected):
         lines.append(line)
         off = abs(rel(dump.loss, candidates[hits[0]][1]))
         identified = f"the loss: {hits[0]}, {off:.1e} relative from it"
+        by_causes = {tuple(c): v for c, v in candidates.values()}
+        for cause in causes:  # undone alone: the candidate with the other causes
+            sizes[cause] = (dump.loss, by_causes[tuple(c for c in causes if c != cause)])
     elif hits:
         lines.append("your loss equals several of these (they coincide at this setting): "
                      + ", ".join(hits))
     elif dump.loss != 0 and total != 0:
         divisor = total / dump.loss
-        lines.append("your loss is none of these normalisations of those values: it is the step's "
-                     f"sum divided by {divisor:.6g}")
-        if source.startswith("your"):
+        count = next((what for what, n in counts.items() if same(divisor, n, TOL_LOSS)), None)
+        if count and mine:
+            lines.append(f"your loss is the step's sum divided by {counts[count]} ({count})")
             causes = ["normalisation:divisor"]
-            notes = {"normalisation:divisor": f"divided by {divisor:.6g}"}
-        identified = f"the loss: the step's sum / {divisor:.6g}"
+            notes = {"normalisation:divisor": f"divided by {counts[count]}: {count}"}
+            if scored_beyond and "scored" in count:  # those beyond the answers add 0 to the sum
+                causes = ["scored:beyond-answer"]
+                notes = {causes[0]: f"{counts[count]} positions in the loss, those beyond the "
+                                    "answers each 0"}
+            identified = f"the loss: the step's sum / {counts[count]} ({count})"
+        else:
+            lines.append("your loss is not reproduced from your rows: it is none of these "
+                         f"normalisations, and the step's sum over it, {divisor:.6g}, is none of "
+                         "the counts the dump shows ("
+                         + ", ".join(f"{what} {n}" for what, n in counts.items()) + ")")
+            reason = "positions your loss scores that the rows do not hold (dump the batches' " \
+                     "scored_mask, and the values there as row{i}.beyond_divergence)"
+            if scored_beyond:
+                reason = "the positions the batch check finds your loss scores beyond the " \
+                         "answers, whose values the dump does not hold (row{i}.beyond_divergence)"
+            lines.append(f"what the rows cannot show: {reason}, or values other than the "
+                         "dumped ones")
+            if mine:
+                causes = ["loss:unexplained"]
+        sizes = {cause: (dump.loss, step) for cause in causes}  # undone: the step's token mean
     else:
         lines.append("your loss is none of these normalisations of those values")
     ok = abs(rel(dump.loss, expected)) <= TOL_LOSS
-    sizes = {cause: (dump.loss, step) for cause in causes}  # undone: the step's token mean
     return Check(name, "matches" if ok else "differs", lines, causes, notes, identified, sizes)
 
 
@@ -1882,6 +2038,11 @@ def compare_prompts(ref, dump):
                  list(dict.fromkeys(causes)))
 
 
+def dumped_problems(t):
+    """batch_problems of one dumped micro-batch's tensors {name: tensor}."""
+    return batch_problems(*[t[n] for n in BATCH_TENSORS[:4]], t.get("scored_mask"))
+
+
 def compare_batches(dump):
     """Check 2: the invariants of every micro-batch the peer dumped (check_batch)."""
     if not dump.batches:
@@ -1892,12 +2053,14 @@ def compare_batches(dump):
         if missing:
             lines.append(f"micro-batch {k}, {side}: no {', '.join(missing)}")
             continue
-        for cause, sentence in batch_problems(t["input_ids"], t["attention_mask"],
-                                              t["position_ids"],
-                                              t["answer_mask"], t.get("scored_mask")):
+        for cause, sentence in dumped_problems(t):
             lines.append(f"micro-batch {k}, {side}, {sentence}")
+            if cause in ("pad-first", "position-ids"):
+                cause = f"{cause}:{side}"
+            if cause == "beyond-answer":
+                cause = "scored:beyond-answer"
             if cause:
-                causes.append(cause if cause.startswith("shift") else f"{cause}:{side}")
+                causes.append(cause)
     if not lines:
         return Check("batch", "matches",
                      [f"all {len(dump.batches)} micro-batch inputs (both sides) keep each row's "
@@ -1928,11 +2091,14 @@ def declared_config(dump, fixture):
                          "declare 'tau'.")
     rules = (("temperature", lambda v: v > 0, "above 0"), ("beta", lambda v: 0 <= v <= 1,
              "from 0 to 1"), ("tau", lambda v: v > 0, "above 0"),
-             ("skip_first_tokens", lambda v: v >= 0, "0 or more"))
+             ("skip_first_tokens", lambda v: v >= 0, "0 or more"), ("nll", lambda v: v >= 0,
+                                                                     "0 or more"))
     for key, ok, rule in rules:
         if key in setting and not ok(setting[key]):
             raise SystemExit(f"verify.py: the dump's {key} is {setting[key]}; it must be {rule}.")
     support = parse_support(setting["support"])
+    if "scale" not in setting:
+        setting["scale"] = 1.0
     if "form" in setting and support["support"] == "sampled-token":
         raise SystemExit("verify.py: the dump declares a form and a sampled-token support: the "
                          "sampled token's form is the support's (sampled-token:FORM); leave 'form' "
@@ -1941,8 +2107,16 @@ def declared_config(dump, fixture):
     if "form" in setting:
         form = parse_form(setting["form"])
     T = setting["temperature"]
-    c = Config(T, T, setting["beta"], dump.clip, setting.get("tau", 0.05), **{**support, **form})
-    return c, setting["skip_first_tokens"], stored
+    scale = T * T
+    if setting.get("scale", "T^2") != "T^2":
+        try:
+            scale = float(setting.get("scale", 1.0))
+        except ValueError:
+            raise SystemExit(f"verify.py: the dump's scale is {setting['scale']!r}; say a number "
+                             "or 'T^2'.")
+    c = Config(T, T, setting["beta"], dump.clip, setting.get("tau", 0.05), **support, scale=scale,
+               nll=setting.get("nll", 0.0))
+    return c._replace(**form), setting["skip_first_tokens"], stored
 
 
 def computable(c, numbers):
@@ -1967,14 +2141,10 @@ def verify(dump, ref):
 
     def step_loss(reference):  # the declared loss from a reference's numbers
         numbers = reference_numbers(reference, rows)
-        numbers["student"].sampler = sampler_of(dump, rows)
+        numbers["student"].ratio = ratio
         asked = config_values(declared, numbers["student"], numbers["teacher"], y)
         return normalised(list(asked.split(lengths)), "step", size, skip)
 
-    if stored and dump.setting is not None:
-        expected = ref.fixture["expected"][dump.setting][dump.clip]["loss"]
-    else:
-        expected = step_loss(ref)
     prompts = compare_prompts(ref, dump)
     checks = [compare_batches(dump), prompts]
     theirs = {side: {r: t[f"{side}_prompt_ids"].tolist() for r, t in dump.rows.items()
@@ -1982,6 +2152,14 @@ def verify(dump, ref):
                      and t[f"{side}_prompt_ids"].tolist() != ref.rows[r][f"{side}_prompt_ids"]}
               for side in SIDES}
     peer_ref = ref.with_prompts(theirs)  # what else differs is read with the peer's own prompts
+    divided, inferred = logits_form(peer_ref, dump, declared.student_t)
+    # an importance ratio from the dump's own numbers of one prompt, never the fixture's against
+    # the sampler's of the peer's own prompt
+    ratio = importance_ratio(dump, rows, y, declared.student_t, divided)
+    if stored and dump.setting is not None:
+        expected = ref.fixture["expected"][dump.setting][dump.clip]["loss"]
+    else:
+        expected = step_loss(ref)
     if prompts.causes:
         with_it = step_loss(peer_ref)
         sizes = {}
@@ -1992,14 +2170,18 @@ def verify(dump, ref):
             rest = {s: changed for s, changed in theirs.items() if s != side}
             sizes[cause] = (with_it, step_loss(ref.with_prompts(rest)))
         checks[1] = prompts._replace(sizes=sizes)
-    divided, inferred = logits_form(peer_ref, dump, declared.student_t)
     sides = [compare_side(peer_ref, dump, side, declared, size, divided, inferred,
                           bool(theirs[side]), skip) for side in SIDES]
     if all("logits:divided" in c.causes for c in sides):
         divided = True  # the dump says raw; both sides show them divided
     checks += sides
     divergence_check, values = compare_divergence(peer_ref, dump, declared, skip, size, divided,
-                                                  any(theirs.values()))
+                                                  any(theirs.values()), ratio)
+    if ratio is None and any("sampler_token_logprobs" in t for t in dump.rows.values()):
+        divergence_check = divergence_check._replace(lines=divergence_check.lines + [
+            "your sampler's log-probs are not used: an importance ratio is taken only against the "
+            "student's log-probs of the same prompt, which the dump does not hold for every row "
+            "(student_token_logprobs); the ratio is taken as 1"])
     source = "your per-position divergences"
     if values is None or len(values) != len(ref.rows):
         own = None
@@ -2008,10 +2190,24 @@ def verify(dump, ref):
         source = "your log-probs' values"
         if own is None or not computable(declared, own):
             own, source = reference_numbers(peer_ref, rows), "the reference's per-position values"
-            own["student"].sampler = sampler_of(dump, rows)
+        own["student"].ratio = ratio
         values = dict(enumerate(config_values(declared, own["student"], own["teacher"],
                                               y).split(lengths)))
-    checks += [divergence_check, compare_loss(ref, dump, skip, values, source, expected)]
+    counts = {"answer positions": sum(lengths), "answers": len(rows),
+              "micro-batches": -(-len(rows) // size)}
+    if skip:
+        counts["positions in the loss"] = sum(max(0, n - skip) for n in lengths)
+    for (k, side), t in sorted(dump.batches.items()):
+        for what, name in (("real tokens", "attention_mask"), ("scored positions", "scored_mask")):
+            if name in t:
+                key = f"the {side}'s {what}"
+                counts[key] = counts.get(key, 0) + int(t[name].sum())
+        if "input_ids" in t:
+            key = f"the {side}'s tokens with pads"
+            counts[key] = counts.get(key, 0) + t["input_ids"].numel()
+    beyond = "scored:beyond-answer" in checks[0].causes
+    checks += [divergence_check, compare_loss(ref, dump, skip, values, source, expected, counts,
+                                              beyond)]
     checks = [c._replace(sizes={cause: (*pair, expected) for cause, pair in c.sizes.items()})
               for c in checks]
     return rule_out(checks, ruled_out(dump, ref, size))
@@ -2029,9 +2225,8 @@ def ruled_out(dump, ref, size):
                == ref.rows[r][f"{side}_prompt_ids"] for r in range(len(ref.rows))):
             out[f"prompt:{side}"] = "prompts"
         batches = [dump.batches.get((k, side)) for k in range(-(-len(ref.rows) // size))]
-        if all(b is not None and all(n in b for n in BATCH_TENSORS[:4]) and not batch_problems(
-                b["input_ids"], b["attention_mask"], b["position_ids"], b["answer_mask"],
-                b.get("scored_mask")) for b in batches):
+        if all(b is not None and all(n in b for n in BATCH_TENSORS[:4])
+               and not dumped_problems(b) for b in batches):
             out.update({f"{kind}:{side}": "batch" for kind in ("pad-first", "position-ids")})
     if all(f"pad-first:{side}" in out for side in SIDES):
         out.update({"pad-first:either": "batch", "position-ids:either": "batch"})
