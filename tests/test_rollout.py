@@ -273,8 +273,12 @@ def test_a_failed_push_stops_the_run_in_one_sentence_naming_the_layer_and_the_ch
 PRECISION_AFTER = """
 import os, sys, torch, opsd
 torch.set_float32_matmul_precision("high")  # as a user's own setup code might: TF32 would round the read-back
+stop_engine = opsd.stop_engine
+def say_then_stop(llm):  # the run's last call (main() then ends the process): what the pushes were read back at
+    print("at the run's end:", torch.get_float32_matmul_precision(), os.environ["VLLM_FLOAT32_MATMUL_PRECISION"])
+    stop_engine(llm)
+opsd.stop_engine = say_then_stop
 opsd.main(sys.argv[1:])
-print("after the run:", torch.get_float32_matmul_precision(), os.environ["VLLM_FLOAT32_MATMUL_PRECISION"])
 """
 
 
@@ -294,7 +298,7 @@ def test_exported_multiprocessing_and_matmul_precision_cannot_break_the_push(tin
     env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="1", VLLM_FLOAT32_MATMUL_PRECISION="high")
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=root, env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "after the run: highest highest" in proc.stdout
+    assert "at the run's end: highest highest" in proc.stdout
     assert sum(line.startswith("step ") for line in proc.stdout.splitlines()) == 2  # both pushes read back
 
 
