@@ -8,8 +8,8 @@ a directory the other rank does not see; with output-dir every rank prints "load
 rank 1 SIGKILL there, hang SIGSTOP (a rank that neither answers nor ends); slow-final makes rank 0's final save take 5 s
 longer (with no time limit on the start-up's phases). stall:PHASE makes rank 1 sleep where a real call would block: in the agreement at the start (start), in the
 process group's connect (connect), in the input checks (checks), in the model's load (load) or in vLLM's start
-(engine); signal:PHASE makes it SIGKILL itself there 2 s later (the host's OOM killer). freeze:PATH makes rank 1 wait
-at the end of the start's checks until PATH exists (the test stops node 0's agent meanwhile); flag:FLAGS gives rank 1
+(engine); signal:PHASE makes it SIGKILL itself there 2 s later (the host's OOM killer). freeze:PATH makes rank 1, once rank 0
+waits in the start's agreement, wait at the end of the start's checks until PATH exists (the test stops node 0's agent meanwhile); flag:FLAGS gives rank 1
 FLAGS more (a command line that differs on one node). no-cuda makes rank 1's torch
 a CUDA build that sees no GPU; no-wandb hides wandb from rank 1: both refused before the process group exists. Rank 1
 prints "fault at <unix time> in <pid>" to stderr just before its fault."""
@@ -72,6 +72,9 @@ elif os.environ["RANK"] == "1":
         check = opsd.check_launch
 
         def frozen_check(args):
+            # rank 0 waits in the start's agreement once its key is in the store: only then is node 0 stopped
+            while not opsd.STORE.check([opsd.store_key("the start", 1, 0)]):
+                time.sleep(0.1)
             print(f"fault at {time.time()} in {os.getpid()}", file=sys.stderr, flush=True)
             while not os.path.exists(value):  # the test stops node 0's agent, then makes the file
                 time.sleep(0.1)

@@ -251,7 +251,7 @@ def test_a_frozen_node_0_ends_every_rank_within_the_agreements_bound(tiny_model_
     logs = tmp_path / "logs"
     frozen = tmp_path / "frozen"
     script = [str(ROOT / "tests" / "fault_launch.py"),
-              *flags(tiny_model_dir, tmp_path / "out", "--collective-timeout", "0.1")]
+              *flags(tiny_model_dir, tmp_path / "out", "--collective-timeout", "0.2")]
     nodes = launch_two_nodes(script, logs, env={"FAULT": f"freeze:{frozen}"})
     try:
         while "fault at " not in rank_stderr(logs, 1):
@@ -262,7 +262,7 @@ def test_a_frozen_node_0_ends_every_rank_within_the_agreements_bound(tiny_model_
         frozen.touch()
         report1 = nodes[1].communicate(timeout=120)[1]
         end1 = time.time()
-        line = ("the agreement on the start did not end within 0.11 minutes (1.1 x --collective-timeout: torchrun's "
+        line = ("the agreement on the start did not end within 0.22 minutes (1.1 x --collective-timeout: torchrun's "
                 "store on node 0 did not answer)")
         while f"opsd.py: rank 0: {line}" not in rank_stderr(logs, 0) and time.time() < stopped + 60:
             time.sleep(0.1)
@@ -273,7 +273,7 @@ def test_a_frozen_node_0_ends_every_rank_within_the_agreements_bound(tiny_model_
         if nodes[0].poll() is None:
             os.kill(nodes[0].pid, signal.SIGCONT)
         stop_nodes(nodes)
-    assert end1 - stopped < 6.6 + BOUND_S and end0 - stopped < 6.6 + BOUND_S, (end1 - stopped, end0 - stopped)
+    assert end1 - stopped < 13.2 + BOUND_S and end0 - stopped < 13.2 + BOUND_S, (end1 - stopped, end0 - stopped)
     for node, report in enumerate((report0, report1)):
         ours = rank_stderr(logs, node)
         assert said(ours, f"opsd.py: rank {node}: {line}") == 1 and said(ours, "opsd.py: ") == 1, ours[-3000:]
