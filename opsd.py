@@ -1354,8 +1354,9 @@ def check_checkpoint(checkpoint):
     except Exception as e:
         fail(f"--resume: {path} does not load ({str(e).split('. ')[0]}): rename "
              f"{checkpoint.name} to bad-{checkpoint.name} to resume from the one before.")
-    # written before the format was: 1 if its KL window holds loss_tokens, as format 1's does
-    written = state.get("format", int(all("loss_tokens" in s for s in state["kl_window"])))
+    written = state.get("format")
+    if written is None:  # written before the format was: 1 if its KL window holds loss_tokens
+        written = int(all("loss_tokens" in s for s in state["kl_window"]))
     if written != CHECKPOINT_FORMAT:
         fail(f"--resume: {checkpoint} is in format {written}, this opsd.py's is "
              f"{CHECKPOINT_FORMAT}: resume with the opsd.py that wrote it, or start a new "

@@ -79,8 +79,8 @@ def test_the_reading_guide_names_functions_of_part_1_in_the_order_they_come():
 # start, the flags refused inside the start's agreement, wandb's login and torchrun's restarts asked at the start, the
 # checkpoint's format written and checked, and the start-up as one function returning what the loop needs.
 # Ending a finished run at once (os._exit: the interpreter's teardown of torch and vLLM took 2 s a process)
-# added 43: 51,013.
-CODE_CHARACTERS = 51_020  # a ceiling: the code may shrink, not grow
+# added 43: 51,013; an older checkpoint's format read only where it states none: 51,040.
+CODE_CHARACTERS = 51_040  # a ceiling: the code may shrink, not grow
 # verify.py, measured the same way, was to stay within 70,000; issue 78's rule that a cause is named only where
 # undoing it reproduces the numbers (counts a divisor may be, values beyond the answer, the value composed of a
 # scale, weighted terms and the NLL, the checks read in order) took it from 68,925 to 75,643.
