@@ -616,14 +616,17 @@ def test_grpo_trains_from_opsds_parts(task, tmp_path):
 
 @pytest.fixture(scope="module")
 def quick_run(tmp_path_factory):
-    """miniature.py's main() in this process (its opsd.py and eval.py runs are processes of their own either way;
-    a new process for the script would add its imports, 4 s), they as a user's, vLLM's sampler compiled: the run's
+    """miniature.py's main() in this process (a new process for the script would add its imports, 4 s): its
+    opsd.py run a process of its own, as a user's (vLLM's sampler compiled); eval.py's main() in this process too,
+    where vLLM is imported already (7 s less an evaluation, and the resume's evaluations below as well): the run's
     directory and what it printed."""
     out = tmp_path_factory.mktemp("miniature")
     printed = io.StringIO()
-    with contextlib.redirect_stdout(printed), as_a_user_would():
-        miniature.main(["--output-dir", str(out), *QUICK])
-    return out, printed.getvalue()
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(miniature, "EVAL_IN_PROCESS", True)
+        with contextlib.redirect_stdout(printed), as_a_user_would():
+            miniature.main(["--output-dir", str(out), *QUICK])
+        yield out, printed.getvalue()
 
 
 def test_quick_run_records_what_eval_scored(quick_run):

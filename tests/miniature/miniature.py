@@ -19,6 +19,7 @@ after the student's prompts, correct traces after the teacher's prompt with the 
 """
 
 import argparse
+import contextlib
 import hashlib
 import json
 import os
@@ -715,17 +716,29 @@ def read_metrics(run):
 # serving every checkpoint as a LoRA adapter, with eval.py's prompt, sampling settings, per-sample seeds and grading.
 
 
+# The tests set this: eval.py's main() in their own process, where vLLM is imported already (7 s less an
+# evaluation). A run of this script starts eval.py as a process of its own, as a user does.
+EVAL_IN_PROCESS = False
+
+
 def evaluate(model_dir, data_file, n, out_dir, adapter=None, thinking=False):
     """eval.py's avg@n on one split (thinking off: the student's training prompt; on: the transfer prompt), the
     samples' answers without a scratchpad, and the seconds it took (None when its summary was there already: then
     eval.py only reads its samples back). An interrupted evaluation continues where it stopped."""
     finished = (out_dir / "summary.json").is_file()
-    cmd = [sys.executable, str(ROOT / "eval.py"), "--model", str(model_dir), "--data", f"split={data_file}",
-           "--n", str(n), "--max-new-tokens", str(MAX_NEW_TOKENS), "--dtype", "float32", "--enforce-eager",
-           "--output-dir", str(out_dir), "--thinking" if thinking else "--no-thinking"]
-    cmd += ["--adapter", str(adapter)] if adapter else []
+    argv = ["--model", str(model_dir), "--data", f"split={data_file}", "--n", str(n), "--max-new-tokens",
+            str(MAX_NEW_TOKENS), "--dtype", "float32", "--enforce-eager", "--output-dir", str(out_dir),
+            "--thinking" if thinking else "--no-thinking"]
+    argv += ["--adapter", str(adapter)] if adapter else []
     out_dir.mkdir(parents=True, exist_ok=True)
-    seconds = run_logged(cmd, log_path(out_dir, "resumed" if finished else ""))
+    log = log_path(out_dir, "resumed" if finished else "")
+    if EVAL_IN_PROCESS:
+        t0 = time.perf_counter()
+        with open(log, "w") as f, contextlib.redirect_stdout(f), contextlib.redirect_stderr(f):
+            evaluation.main(argv)
+        seconds = time.perf_counter() - t0
+    else:
+        seconds = run_logged([sys.executable, str(ROOT / "eval.py"), *argv], log)
     avg = json.loads((out_dir / "summary.json").read_text())["metrics"]["split"][f"avg@{n}"]
     samples = [json.loads(line) for line in (out_dir / "samples.jsonl").read_text().splitlines() if line.strip()]
     no_pad = sum(not has_scratchpad(s["completion"]) for s in samples) / len(samples)
