@@ -305,21 +305,11 @@ class Reference:
         L = self.lengths[row]
         return torch.log_softmax(x[1 + offset:1 + offset + L] / temperature, -1)
 
-    def divergences(self, *, beta, temperature, clip, tau, student_t=None, teacher_t=None, offset=0,
-                    swapped=False, padded=(), size=None):
-        """[(L,)] per row: the divergence at `temperature` (or student_t / teacher_t on one side),
-        both sides at positions shifted by `offset`; swapped: the student's and teacher's roles
-        exchanged; padded: the sides whose answers sit at position ids counted over pads
-        (micro-batches of `size`)."""
-        out = []
-        for row in range(len(self.rows)):
-            log_s, log_t = (self.log_probs(side, row, t or temperature, offset,
-                                           size if side in padded else None)
-                            for side, t in (("student", student_t), ("teacher", teacher_t)))
-            if swapped:
-                log_s, log_t = log_t, log_s
-            out.append(divergence(log_s, log_t, beta=beta, clip=clip, tau=tau))
-        return out
+    def divergences(self, *, beta, temperature, clip, tau):
+        """[(L,)] per row: the divergence at `temperature`."""
+        return [divergence(self.log_probs("student", row, temperature),
+                           self.log_probs("teacher", row, temperature), beta=beta, clip=clip, tau=tau)
+                for row in range(len(self.rows))]
 
 
 # -----------------------------------------------------------------------------
@@ -583,45 +573,40 @@ class Numbers:
         return self.ranks
 
 
-def config_values(c, student, teacher, y, peer=None, tie=0.0):
-    """(N,) each position's value under configuration c, from both sides' Numbers and the sampled
-    tokens y: its scale times its form's value over its support, plus its weight of the student's
-    negative log-likelihood of y (the composition; form_values the form's part)."""
-    value = form_values(c, student, teacher, y, peer, tie)
+def config_values(c, numbers, y, peer=None, tie=0.0):
+    """(N,) each position's value under configuration c, from both sides' Numbers ({side:
+    Numbers}) and the sampled tokens y: its scale times its form's value over its support, plus its
+    weight of the student's negative log-likelihood of y (the composition; form_values the form's
+    part)."""
+    value = form_values(c, numbers, y, peer, tie)
     if c.scale == 1.0 and not c.nll:
         return value
-    return c.scale * value - c.nll * student.of_token(c.student_t, y)
+    return c.scale * value - c.nll * numbers["student"].of_token(c.student_t, y)
 
 
-def form_values(c, student, teacher, y, peer=None, tie=0.0):
+def form_values(c, numbers, y, peer=None, tie=0.0):
     """(N,) the form's value of configuration c over its support. A top k whose k-th and
     (k + 1)-th log-probs lie within `tie`: the peer's choice, the nearer to `peer`. From the
     teacher's top K ids alone, the student's numbers are at those ids."""
     if c.support == "sampled-token":
-        a, b = student.of_token(c.student_t, y), teacher.of_token(c.teacher_t, y)
-        value = sampled_value(a, b, c.form, c.beta, c.clamp, student.ratio)
+        a, b = (numbers[side].of_token(getattr(c, f"{side}_t"), y) for side in SIDES)
+        value = sampled_value(a, b, c.form, c.beta, c.clamp, numbers["student"].ratio)
         if c.clip != "none":
             value = value.clamp(max=c.tau)
         return value
-    log_s, log_t = student.log_probs(c.student_t), teacher.log_probs(c.teacher_t)
+    log = {side: numbers[side].log_probs(getattr(c, f"{side}_t")) for side in SIDES}
     terms = {"beta": c.beta, "clip": c.clip, "tau": c.tau, "weights": c.weights}
     if c.support == "full":
-        return divergence(log_s, log_t, **terms)
-    side = student
-    if c.by == "teacher":
-        side = teacher
-    order = side.order()
-    d = divergence(*top_k_log_probs(log_s, log_t, c.k, c.tail, order, c.raw), **terms)
+        return divergence(*log.values(), **terms)
+    order = numbers[c.by].order()
+    d = divergence(*top_k_log_probs(*log.values(), c.k, c.tail, order, c.raw), **terms)
     if tie and peer is not None and c.k < order.shape[-1]:
-        by = log_s
-        if c.by == "teacher":
-            by = log_t
-        ranked = by.gather(-1, order[:, c.k - 1:c.k + 1])
+        ranked = log[c.by].gather(-1, order[:, c.k - 1:c.k + 1])
         tied = (ranked[:, 0] - ranked[:, 1]).abs() <= tie
         if tied.any():  # the k-th and (k + 1)-th exchanged: the peer's top k may hold either
             swapped = order[tied].clone()
             swapped[:, [c.k - 1, c.k]] = swapped[:, [c.k, c.k - 1]]
-            top = top_k_log_probs(log_s[tied], log_t[tied], c.k, c.tail, swapped, c.raw)
+            top = top_k_log_probs(*(x[tied] for x in log.values()), c.k, c.tail, swapped, c.raw)
             other = divergence(*top, **terms)
             nearer = (peer[tied] - c.scale * other).abs() < (peer[tied] - c.scale * d[tied]).abs()
             d[tied] = torch.where(nearer, other, d[tied])
@@ -671,20 +656,21 @@ class Fit:
     then every support, clip and sampled-token form, each with its free parameters (the temperatures
     where the numbers are logits, beta, tau, k) searched."""
 
-    def __init__(self, student, teacher, y, peer, kept, declared, tie=0.0, narrow=False):
-        self.student, self.teacher, self.y, self.peer, self.kept = student, teacher, y, peer, kept
+    def __init__(self, numbers, y, peer, kept, declared, tie=0.0, narrow=False):
+        self.numbers, self.y, self.peer, self.kept = numbers, y, peer, kept
+        self.student, self.teacher = numbers["student"], numbers["teacher"]
         self.declared, self.tie, self.narrow = declared, tie, narrow  # narrow: the declared alone
         self.total = int(kept.sum())
         index = kept.nonzero()[:, 0]
         spread = torch.linspace(0, len(index) - 1, min(FIT_POSITIONS, len(index)))
         index = index[spread.round().long()]
-        self.search = (student.at(index), teacher.at(index), y[index], peer[index])
+        self.search = ({side: x.at(index) for side, x in numbers.items()}, y[index], peer[index])
 
     def values(self, c, on_search=False):
-        student, teacher, y, peer = self.student, self.teacher, self.y, self.peer
+        numbers, y, peer = self.numbers, self.y, self.peer
         if on_search:
-            student, teacher, y, peer = self.search
-        return config_values(c, student, teacher, y, peer, self.tie)
+            numbers, y, peer = self.search
+        return config_values(c, numbers, y, peer, self.tie)
 
     def count(self, c):
         return int((close(self.peer, self.values(c)) & self.kept).sum())
@@ -692,11 +678,11 @@ class Fit:
     def score(self, c):
         """The distance searched on: the sum of the absolute differences at the search positions
         (its basin is wide, so a grid finds it; its least is where every position matches)."""
-        gap = (self.search[3] - self.values(c, on_search=True)).abs()
+        gap = (self.search[2] - self.values(c, on_search=True)).abs()
         return float(torch.nan_to_num(gap, nan=1e3).sum())  # NaN: a value these numbers lack
 
     def free(self, c):
-        names = [f"{side}_t" for side, x in zip(SIDES, (self.student, self.teacher)) if x.free]
+        names = [f"{side}_t" for side, x in self.numbers.items() if x.free]
         if uses_beta(c):
             names.append("beta")
         if c.clip != "none":
@@ -739,7 +725,7 @@ class Fit:
         if self.teacher.sparse:
             grid.append(V - 1)
         def count(k):  # the search positions matched
-            return int(close(self.search[3], self.values(c._replace(k=k), on_search=True)).sum())
+            return int(close(self.search[2], self.values(c._replace(k=k), on_search=True)).sum())
 
         return c._replace(k=max(grid, key=lambda k: (count(k), -k)))
 
@@ -820,8 +806,7 @@ class Fit:
         columns = [-self.student.of_token(c.student_t, self.y)]
         for i in terms:
             unit = c._replace(scale=1.0, nll=0.0, weights=tuple(float(i == j) for j in range(3)))
-            columns.insert(-1, form_values(unit, self.student, self.teacher, self.y, self.peer,
-                                           self.tie))
+            columns.insert(-1, self.values(unit))
         keep = self.kept & torch.stack(columns).isfinite().all(0)
         weight = 1.0 / (TOL_DIVERGENCE[0] + TOL_DIVERGENCE[1] * self.peer[keep].abs())
         best, n = c, self.count(c)
@@ -1507,7 +1492,7 @@ def side_sizes(ref, side, declared, skip, own, hypotheses, reading, scale):
                             for row in rows])
         pair = {side: Numbers(logprobs=mine), other: Numbers(logprobs=theirs)}
         y = torch.cat([torch.tensor(ref.rows[row]["completion_ids"]) for row in rows])
-        values = config_values(declared, pair["student"], pair["teacher"], y)
+        values = config_values(declared, pair, y)
         kept = torch.cat([torch.arange(ref.lengths[row]) >= skip for row in rows])
         return float(values[kept].sum()) / max(int(kept.sum()), 1)
 
@@ -1572,10 +1557,10 @@ def logits_form(ref, dump, T):
     return count[T] >= count[1.0] and count[T] > 0, True
 
 
-def own_numbers(dump, rows, divided, sides=SIDES):
+def own_numbers(dump, rows, divided, sides=SIDES, ratio=None):
     """{side: Numbers} of the dump's own numbers over `rows`, concatenated (raw logits keep their
     temperature a parameter; log-probs at the teacher's top K ids keep the sampled token's too), or
-    None if one of `sides` has none."""
+    None if one of `sides` has none; ratio: the student's log importance ratio (importance_ratio)."""
     def joined(name):
         if not all(name in dump.rows.get(r, {}) for r in rows):
             return None
@@ -1598,6 +1583,7 @@ def own_numbers(dump, rows, divided, sides=SIDES):
             out[side] = Numbers(logprobs=torch.log_softmax(x, -1))
         else:
             out[side] = Numbers(logprobs=x)
+    out["student"].ratio = ratio
     return out
 
 
@@ -1616,15 +1602,16 @@ def importance_ratio(dump, rows, y, temperature, divided):
     return a - torch.cat([dump.rows[r]["sampler_token_logprobs"].double() for r in rows])
 
 
-def reference_numbers(ref, rows, offset=0, padded=(), size=None):
+def reference_numbers(ref, rows, ratio=None, offset=0, padded=(), size=None):
     """{side: Numbers} of the reference's raw logits over `rows`, concatenated (positions shifted by
     `offset`; `padded`: the sides whose answers sit at position ids counted over the pads of
-    micro-batches of `size`)."""
+    micro-batches of `size`), the student's with the log importance ratio `ratio`."""
     out = {}
     for side in SIDES:
         logits = ref.logits[side] if side not in padded else ref.padded_logits(side, size)
         out[side] = Numbers(logits=torch.cat([logits[r][1 + offset:1 + offset + ref.lengths[r]]
                                               for r in rows]))
+    out["student"].ratio = ratio
     return out
 
 
@@ -1726,10 +1713,8 @@ def compare_divergence(ref, dump, declared, skip, size, divided=False, own_promp
     def step(values):  # the step's token mean over the positions in the loss
         return float(values[kept].sum()) / max(total, 1)
 
-    def fixture_values(**kw):
-        numbers = reference_numbers(ref, rows, **kw)
-        numbers["student"].ratio = ratio
-        return config_values(declared, numbers["student"], numbers["teacher"], y, P, TOL_LOGPROB)
+    def fixture_values(c=declared, **kw):  # c's values from the reference's logits
+        return config_values(c, reference_numbers(ref, rows, ratio, **kw), y, P, TOL_LOGPROB)
 
     asked = fixture_values()
     n = int((close(P, asked) & kept).sum())
@@ -1749,7 +1734,7 @@ def compare_divergence(ref, dump, declared, skip, size, divided=False, own_promp
                            f"all {total} positions within tolerance (largest difference "
                            f"{largest:.1e})"), peer
     unexplained = (step(P), step(torch.where(close(P, asked), P, asked)))
-    own = own_numbers(dump, rows, divided)
+    own = own_numbers(dump, rows, divided, ratio=ratio)
     silent = bool((P[kept].abs() <= TOL_DIVERGENCE[0]).all())
     if silent or equal_sides(own, declared, y):
         why = f"every value of yours lies within {TOL_DIVERGENCE[0]:g} of 0"
@@ -1763,8 +1748,7 @@ def compare_divergence(ref, dump, declared, skip, size, divided=False, own_promp
                      causes, found=f"the value: nothing can be told ({why})",
                      sizes={c: (step(P), step(asked)) for c in causes}), peer
     if own is not None:
-        own["student"].ratio = ratio
-        fit = Fit(own["student"], own["teacher"], y, P, kept, declared)
+        fit = Fit(own, y, P, kept, declared)
         count, c, note = fit.identify()
         numbers = "sampled-token log-probs"
         if own["student"].full and own["teacher"].full:
@@ -1788,7 +1772,7 @@ def compare_divergence(ref, dump, declared, skip, size, divided=False, own_promp
                 sized = reference_numbers(ref, rows)
 
             def loss(config):  # the step's token mean of config's values
-                return step(config_values(config, sized["student"], sized["teacher"], y))
+                return step(config_values(config, sized, y))
 
             sizes = {cause: (loss(c), loss(undone(c, cause, declared))) for cause, _ in causes}
             found = f"the value: {kind_of(c)}, {said}, from your {numbers}: all {total} " \
@@ -1816,7 +1800,8 @@ def compare_divergence(ref, dump, declared, skip, size, divided=False, own_promp
         hypotheses[f"position ids counted over the pads ({' and '.join(sides)})"] = (
             fixture_values(padded=sides, size=size), [f"position-ids:{s}" for s in sides])
     student = reference_numbers(ref, rows)["student"]
-    as_student = config_values(declared._replace(teacher_t=declared.student_t), student, student, y)
+    as_student = config_values(declared._replace(teacher_t=declared.student_t),
+                               dict.fromkeys(SIDES, student), y)
     if bool(close(P, as_student)[kept].all()):  # what a teacher shown the student's prompt gives
         hypotheses["the teacher given the student's prompt"] = (as_student,
                                                                ["prompt:teacher=student"])
@@ -1836,30 +1821,25 @@ def compare_divergence(ref, dump, declared, skip, size, divided=False, own_promp
     if not reading.explained:
         found = []  # fitted where a shift puts the positions too; the most positions matched
         for offset in (0, 1, -1):
-            numbers = reference_numbers(ref, rows, offset)
+            numbers = reference_numbers(ref, rows, ratio, offset)
             if offset:  # shifted, at the declared temperatures (not fitted there)
-                numbers = {side: Numbers(logprobs=x.log_probs(getattr(declared, f"{side}_t")))
-                           for side, x in numbers.items()}
-            numbers["student"].ratio = ratio
-            fit = Fit(numbers["student"], numbers["teacher"], y, P, kept, declared, TOL_LOGPROB,
-                      bool(offset))
+                numbers = {side: Numbers(logprobs=x.log_probs(getattr(declared, f"{side}_t")),
+                                         ratio=x.ratio) for side, x in numbers.items()}
+            fit = Fit(numbers, y, P, kept, declared, TOL_LOGPROB, bool(offset))
             found.append((*fit.identify(), offset, fit))
             if found[-1][0] == total:
                 break
         count, c, note, offset, fit = max(found, key=lambda f: f[0])
         if count > total // 2:  # a majority: the positions it leaves are read by their pattern
             changes = differences(c, declared, note)
+            undoing = {cause: fit.values(undone(c, cause, declared)) for cause, _ in changes}
             label = describe(c)
-            trial = dict(hypotheses)
-            undo[label] = {cause: fit.values(undone(c, cause, declared)) for cause, _ in changes}
             if offset:
-                label += f", positions shifted by {offset:+d}"
+                undoing[f"shift:{offset:+d}"] = fixture_values(c)  # c at the unshifted positions
                 changes.append((f"shift:{offset:+d}", None))
-                unshifted = reference_numbers(ref, rows)
-                unshifted["student"].ratio = ratio
-                undo[label] = {**undo.pop(describe(c)), changes[-1][0]: config_values(
-                    c, unshifted["student"], unshifted["teacher"], y, P, TOL_LOGPROB)}
-            trial[label] = (fit.values(c), [cause for cause, _ in changes])
+                label += f", positions shifted by {offset:+d}"
+            undo[label] = undoing
+            trial = {**hypotheses, label: (fit.values(c), [cause for cause, _ in changes])}
             second = read(trial)
             if second.explained:
                 reading, hypotheses, notes = second, trial, dict(changes)
@@ -2140,9 +2120,7 @@ def verify(dump, ref):
     lengths = ref.lengths
 
     def step_loss(reference):  # the declared loss from a reference's numbers
-        numbers = reference_numbers(reference, rows)
-        numbers["student"].ratio = ratio
-        asked = config_values(declared, numbers["student"], numbers["teacher"], y)
+        asked = config_values(declared, reference_numbers(reference, rows, ratio), y)
         return normalised(list(asked.split(lengths)), "step", size, skip)
 
     prompts = compare_prompts(ref, dump)
@@ -2161,13 +2139,9 @@ def verify(dump, ref):
     else:
         expected = step_loss(ref)
     if prompts.causes:
-        with_it = step_loss(peer_ref)
-        sizes = {}
-        for cause in prompts.causes:
-            side = "teacher"
-            if cause == "prompt:student":
-                side = "student"
-            rest = {s: changed for s, changed in theirs.items() if s != side}
+        with_it, sizes = step_loss(peer_ref), {}
+        for cause in prompts.causes:  # undone: the fixture's prompts on the cause's side
+            rest = {s: ids for s, ids in theirs.items() if not cause.startswith(f"prompt:{s}")}
             sizes[cause] = (with_it, step_loss(ref.with_prompts(rest)))
         checks[1] = prompts._replace(sizes=sizes)
     sides = [compare_side(peer_ref, dump, side, declared, size, divided, inferred,
@@ -2186,13 +2160,12 @@ def verify(dump, ref):
     if values is None or len(values) != len(ref.rows):
         own = None
         if len(dump.rows) == len(ref.rows):
-            own = own_numbers(dump, rows, divided)
+            own = own_numbers(dump, rows, divided, ratio=ratio)
         source = "your log-probs' values"
         if own is None or not computable(declared, own):
-            own, source = reference_numbers(peer_ref, rows), "the reference's per-position values"
-        own["student"].ratio = ratio
-        values = dict(enumerate(config_values(declared, own["student"], own["teacher"],
-                                              y).split(lengths)))
+            own = reference_numbers(peer_ref, rows, ratio)
+            source = "the reference's per-position values"
+        values = dict(enumerate(config_values(declared, own, y).split(lengths)))
     counts = {"answer positions": sum(lengths), "answers": len(rows),
               "micro-batches": -(-len(rows) // size)}
     if skip:
