@@ -16,6 +16,7 @@ import copy
 import hashlib
 import json
 import math
+import re
 import sys
 from pathlib import Path
 from typing import NamedTuple
@@ -198,9 +199,6 @@ def sampled_value(a, b, form, beta, clamp=False, ratio=None):
     return sum(halves)
 
 
-NORMALISATIONS = ("step", "micro-batch", "answer", "row", "sum")
-
-
 def normalised(values, how, micro_batch_size, skip=0, count_skipped=False):
     """The loss from per-position values (one (L,) tensor a row), over the positions j >= skip:
       step:         their sum over the whole step / their number (opsd's)
@@ -307,9 +305,8 @@ class Reference:
 
     def divergences(self, *, beta, temperature, clip, tau):
         """[(L,)] per row: the divergence at `temperature`."""
-        return [divergence(self.log_probs("student", row, temperature),
-                           self.log_probs("teacher", row, temperature), beta=beta, clip=clip, tau=tau)
-                for row in range(len(self.rows))]
+        return [divergence(*(self.log_probs(side, row, temperature) for side in SIDES), beta=beta,
+                           clip=clip, tau=tau) for row in range(len(self.rows))]
 
 
 # -----------------------------------------------------------------------------
@@ -495,9 +492,7 @@ def differences(found, declared, k_note=None):
         out.append((f"form:{form_name(found)}", note))
     if found.support == "sampled-token" and found.clamp != declared.clamp:
         out.append(("clamp:halves" if found.clamp else "clamp:none", None))
-    beta_moved = abs(found.beta - declared.beta) > 1e-3
-    if uses_beta(found) and declared.weights == PLAIN and beta_moved \
-            and not same(found.beta, declared.beta, 1e-6):
+    if uses_beta(found) and declared.weights == PLAIN and abs(found.beta - declared.beta) > 1e-3:
         note = f"beta {found.beta:.4g}, {declared.beta:g} declared"
         if declared.beta in (0.0, 1.0) and found.beta == 1.0 - declared.beta:
             note += ": the student and the teacher exchanged"
@@ -692,20 +687,21 @@ class Fit:
     def move(self, c, name):
         """c with the parameter `name` where the score is least (c itself if nothing found is
         better)."""
-        def at(x):
-            return self.score(c._replace(**{name: x}))
+        def at(x):  # c with the parameter at x ("temperature": one loss temperature on both sides)
+            if name == "temperature":
+                return c._replace(student_t=x, teacher_t=x)
+            return c._replace(**{name: x})
+
+        def score(x):
+            return self.score(at(x))
+
         if name == "beta":  # the ends are the KLs, not the JSD's limits: tried apart
-            inside = minimise(at, 1e-3, 1.0 - 1e-3)
-            moved = c._replace(beta=min((0.0, 1.0, inside), key=at))
+            x = min((0.0, 1.0, minimise(score, 1e-3, 1.0 - 1e-3)), key=score)
         elif name == "tau":
-            moved = c._replace(tau=minimise(at, *TAUS, log=True))
-        elif name == "temperature":  # one loss temperature on both sides
-            def both(x):
-                return self.score(c._replace(student_t=x, teacher_t=x))
-            x = minimise(both, *TEMPERATURES, log=True)
-            moved = c._replace(student_t=x, teacher_t=x)
+            x = minimise(score, *TAUS, log=True)
         else:
-            moved = c._replace(**{name: minimise(at, *TEMPERATURES, log=True)})
+            x = minimise(score, *TEMPERATURES, log=True)
+        moved = at(x)
         if self.score(moved) < self.score(c):
             return moved
         return c
@@ -839,8 +835,7 @@ class Fit:
         # the sampled token's log-probs alone give no other support
         if full or d.support == "sampled-token" or (sparse and d.support == "top-k"
                                                     and d.by == "teacher"):
-            out.append({"support": d.support, "by": d.by, "k": d.k, "tail": d.tail, "raw": d.raw,
-                        "form": d.form, "weights": d.weights, "clamp": d.clamp, "clip": d.clip})
+            out.append({})  # the declared structure itself
         plain = {"form": "term", "weights": PLAIN, "raw": "", "tail": False}
         top = {**plain, "support": "top-k", "by": "teacher", "clip": d.clip}
         if full:
@@ -872,7 +867,6 @@ class Fit:
         (PHASE_TWO in all) with the temperatures fitted too. The first that matches every position
         ends the search."""
         found = []
-        temperatures = ("student_t", "teacher_t")
         structures = self.structures()
         if self.narrow:
             structures = structures[:1]
@@ -888,7 +882,7 @@ class Fit:
                 if c.support == "top-k" and c.k == 0:
                     c = c._replace(k=1)
                 c = self.fitted(c, [n for n in self.free(c) if fit_temperatures
-                                    or n not in temperatures])
+                                    or not n.endswith("_t")])
                 found.append((self.count(c), c))
                 if found[-1][0] == self.total:
                     break
@@ -928,7 +922,7 @@ def check_batch(input_ids, attention_mask, position_ids, answer_mask, scored_mas
 
 def batch_problems(input_ids, attention_mask, position_ids, answer_mask, scored_mask=None):
     """check_batch's sentences, each with the cause it points to ("position-ids", "pad-first",
-    "shift:+1", "shift:-1" or None)."""
+    "shift:+1", "shift:-1", "scored:beyond-answer" or None)."""
     problems = []
     for row in range(input_ids.shape[0]):
         real = attention_mask[row].bool()
@@ -965,7 +959,7 @@ def batch_problems(input_ids, attention_mask, position_ids, answer_mask, scored_
 
 def scored_problems(row, scored, real, answer):
     """batch_problems' sentences on one row's scored positions: shifted, or more than the positions
-    before the answer tokens (the cause "beyond-answer"), or else not those."""
+    before the answer tokens (the cause "scored:beyond-answer"), or else not those."""
     wanted = (answer - 1).tolist()
     at = scored.nonzero()[:, 0].tolist()
     if at == wanted:
@@ -991,8 +985,8 @@ def scored_problems(row, scored, real, answer):
         if pads:
             kinds.append(f"{len(pads)} outputs at pads")
         kinds = kinds or [f"{len(extra)} other outputs"]
-        return [("beyond-answer", f"row {row}: besides the {len(wanted)} outputs before its answer "
-                 f"tokens, the loss scores {' and '.join(kinds)}.")]
+        return [("scored:beyond-answer", f"row {row}: besides the {len(wanted)} outputs before its "
+                 f"answer tokens, the loss scores {' and '.join(kinds)}.")]
     missing = sorted(set(wanted) - set(at))
     return [(None, f"row {row}: the output before answer token {missing[0] - first + 1} (index "
              f"{missing[0]}) is not scored; {len(extra)} other outputs are.")]
@@ -1033,17 +1027,15 @@ def write_dump(path, *, setting=None, clip, rows, loss=None, normalisation=None,
     fixture's)."""
     from safetensors.torch import save_file
 
-    tensors = {}
-    for i, named in rows.items():
-        tensors.update({f"row{i}.{name}": t.contiguous() for name, t in named.items()})
+    tensors = {f"row{i}.{name}": t for i, named in rows.items() for name, t in named.items()}
     for (k, side), named in (batches or {}).items():
-        tensors.update({f"batch{k}.{side}.{name}": t.contiguous() for name, t in named.items()})
+        tensors.update({f"batch{k}.{side}.{name}": t for name, t in named.items()})
     if loss is not None:
         loss = float(loss)
     given = {"clip": clip, "setting": setting, "loss": loss, "normalisation": normalisation,
              "micro_batch_size": micro_batch_size, "logits": logits, **declared}
     meta = {key: str(value) for key, value in given.items() if value is not None}
-    save_file(tensors, str(path), metadata=meta)
+    save_file({name: t.contiguous() for name, t in tensors.items()}, str(path), metadata=meta)
 
 
 def read_dump(path):
@@ -1059,13 +1051,12 @@ def read_dump(path):
                          "'beta' (or a 'form') in its metadata (README.md: the dump).")
     rows, batches = {}, {}
     for name, t in tensors.items():
-        head, _, field = name.partition(".")
-        if head.startswith("row") and head[3:].isdigit() and field in ROW_TENSORS:
-            rows.setdefault(int(head[3:]), {})[field] = t
-        elif head.startswith("batch") and head[5:].isdigit() and field.split(".")[0] in SIDES \
-                and field.split(".", 1)[-1] in BATCH_TENSORS:
-            side, tensor = field.split(".", 1)
-            batches.setdefault((int(head[5:]), side), {})[tensor] = t
+        row = re.fullmatch(r"row(\d+)\.(.+)", name)
+        batch = re.fullmatch(r"batch(\d+)\.(student|teacher)\.(.+)", name)
+        if row and row[2] in ROW_TENSORS:
+            rows.setdefault(int(row[1]), {})[row[2]] = t
+        elif batch and batch[3] in BATCH_TENSORS:
+            batches.setdefault((int(batch[1]), batch[2]), {})[batch[3]] = t
         else:
             raise SystemExit(f"verify.py: {path} holds {name!r}, which is no tensor of a dump "
                              "(README.md).")
@@ -1183,7 +1174,7 @@ class Check(NamedTuple):
     name: str
     status: str  # "matches", "differs" or "not checked"
     lines: list
-    causes: list  # keys of CAUSES
+    causes: list = []  # keys of CAUSES
     notes: dict = {}  # {cause: what the numbers say of it, e.g. the k of a top-k divergence}
     found: str | None = None  # what the check identified the peer computes, with the residual
     # {cause: (the loss with the departures found, the loss with that one alone undone)}, each the
@@ -1218,8 +1209,8 @@ def side_causes(kind, side):
 
 class Reading(NamedTuple):
     """What diagnose reads: its lines and causes, whether every position is explained, the
-    hypothesis that explains most, and {cause: {row: (L,) bool}} the positions each cause explains
-    (None: the positions nothing explains)."""
+    hypothesis that explains most, and {cause: {row: (L,) bool}} the positions each cause
+    explains."""
     lines: list
     causes: list
     explained: bool
@@ -1249,11 +1240,14 @@ def diagnose(hypotheses, errors, matched, lengths, shorter):
     best = max(hypotheses, key=lambda h: (count[h], h == asked))
     lines, causes = [f"{count[asked]} of {total} positions match"], []
     positions = {}
+
+    def name(found, at):  # the causes found, each explaining the positions `at`
+        causes.extend(found)
+        positions.update(dict.fromkeys(found, at))
+
     if best != asked:
         lines.append(f"{count[best]} of {total} positions match {best}")
-        causes += hypotheses[best]
-        for cause in hypotheses[best]:
-            positions[cause] = {r: matched[best][r].clone() for r in rows}
+        name(hypotheses[best], {r: matched[best][r] for r in rows})
     err = errors[best]
     left = {r: ~matched[best][r] for r in rows}  # what the best hypothesis leaves unexplained
     rest = lambda r: float(err[r][1:].max()) if lengths[r] > 1 else 0.0  # noqa: E731
@@ -1267,35 +1261,28 @@ def diagnose(hypotheses, errors, matched, lengths, shorter):
         lines.append(f"the first position of {span(pad_first)}{of} differs from {against} by up to "
                      f"{max(float(err[r][0]) for r in pad_first):.3g}, their other positions by at "
                      f"most {max(rest(r) for r in pad_first):.1e}")
-        for cause in side_causes("pad-first", where):
-            causes.append(cause)
-            positions[cause] = {r: torch.arange(lengths[r]) == 0 for r in pad_first}
+        name(side_causes("pad-first", where), {r: torch.arange(lengths[r]) == 0 for r in pad_first})
         for r in pad_first:
             left[r][0] = False
-    drift = {r for r in rows if left[r].any()}
-    if not drift:
-        return Reading(lines, causes, True, best, positions)
-    drifting = {r: left[r].clone() for r in drift}
-    n = sum(int(left[r].sum()) for r in drift)
-    largest = max(float(err[r][left[r]].max()) for r in drift)
-    where = side_of(drift, shorter)
-    if where:
-        lines.append(f"{n} positions of {span(drift)}, every one a row with a shorter prompt than "
-                     f"its micro-batch's longest, differ (by up to {largest:.1e})")
-        for cause in side_causes("position-ids", where):
-            causes.append(cause)
-            positions[cause] = drifting
-        return Reading(lines, causes, True, best, positions)
-    if len(shorter) == 1 and all(left[r].all() for r in drift):
-        lines.append(f"every position of {span(drift)} differs (by up to {largest:.3g})")
-        causes.append(f"prompt:{next(iter(shorter))}")
-        positions[causes[-1]] = drifting
-        return Reading(lines, causes, True, best, positions)
-    worst = max((float(err[r][j]), r, j) for r in drift for j in range(lengths[r]) if left[r][j])
-    lines.append(f"{n} positions of {span(drift)} differ; the largest difference, {worst[0]:.3g}, "
-                 f"at row {worst[1]} position {worst[2]}")
-    positions[None] = drifting
-    return Reading(lines, causes, False, best, positions)
+    drift = {r: left[r] for r in rows if left[r].any()}
+    if drift:
+        n = sum(int(left[r].sum()) for r in drift)
+        largest = max(float(err[r][left[r]].max()) for r in drift)
+        where = side_of(set(drift), shorter)
+        if where:
+            lines.append(f"{n} positions of {span(drift)}, every one a row with a shorter prompt "
+                         f"than its micro-batch's longest, differ (by up to {largest:.1e})")
+            name(side_causes("position-ids", where), drift)
+        elif len(shorter) == 1 and all(left[r].all() for r in drift):
+            lines.append(f"every position of {span(drift)} differs (by up to {largest:.3g})")
+            name([f"prompt:{next(iter(shorter))}"], drift)
+        else:
+            worst = max((float(err[r][j]), r, j) for r in drift for j in range(lengths[r])
+                        if left[r][j])
+            lines.append(f"{n} positions of {span(drift)} differ; the largest difference, "
+                         f"{worst[0]:.3g}, at row {worst[1]} position {worst[2]}")
+            return Reading(lines, causes, False, best, positions)
+    return Reading(lines, causes, True, best, positions)
 
 
 def max_error(per_row):
@@ -1330,7 +1317,7 @@ def compare_side(ref, dump, side, declared, size, divided=False, inferred=False,
     if key is None:
         return Check(name, "not checked",
                      [f"the dump holds no {side}_logprobs (nor {side}_logits, nor "
-                      f"{side}_token_logprobs) for every row"], [])
+                      f"{side}_token_logprobs) for every row"])
     T = getattr(declared, f"{side}_t")
     logits = key.endswith("_logits")
     token = key.endswith("_token_logprobs")
@@ -1356,23 +1343,23 @@ def compare_side(ref, dump, side, declared, size, divided=False, inferred=False,
             continue
         x[row] = torch.log_softmax(v, -1) if logits else v
     if lines:
-        return Check(name, "differs", lines, [])
+        return Check(name, "differs", lines)
+
+    picks = ids  # the columns compared: the teacher's top K ids, the sampled token or all
+    if token:
+        picks = {row: torch.tensor(ref.rows[row]["completion_ids"])[:, None] for row in x}
 
     def errors(temperature, offset=0, padded=None, source=None):
         out = {}
         for row, v in x.items():
             want = ref.log_probs(source or side, row, temperature, offset, padded)
-            if token:
-                y = torch.tensor(ref.rows[row]["completion_ids"])
-                out[row] = (v - want.gather(-1, y[:, None])[:, 0]).abs()
-            elif ids:
-                out[row] = (v - want.gather(-1, ids[row])).abs().amax(-1)
-            else:
-                out[row] = (v - want).abs().amax(-1)
+            if picks:
+                want = want.gather(-1, picks[row])
+            out[row] = (v.view(len(want), -1) - want).abs().amax(-1)
         return out
 
-    def count(temperature, offset):
-        return sum(int((e <= TOL_LOGPROB).sum()) for e in errors(temperature, offset).values())
+    def count(*args, **kw):  # the positions within the tolerance
+        return sum(int((e <= TOL_LOGPROB).sum()) for e in errors(*args, **kw).values())
 
     total = sum(ref.lengths[r] for r in x)
     # name: (errors' arguments, causes); the temperature fitted at each alignment of the positions,
@@ -1400,15 +1387,13 @@ def compare_side(ref, dump, side, declared, size, divided=False, inferred=False,
         notes[label] = {cause: note}
     hypotheses["position ids counted over the pads"] = ({"temperature": expected, "padded": size},
                                                         [f"position-ids:{side}"])
-    if side == "teacher":
-        hypotheses["the student's log-probs"] = ({"temperature": expected, "source": "student"},
-                                                 ["prompt:teacher=student"])
+    student_like = "the student's log-probs"
+    # named only where the teacher's numbers are mostly the student's
+    if side == "teacher" and count(expected, source="student") > total // 2:
+        hypotheses[student_like] = ({"temperature": expected, "source": "student"},
+                                    ["prompt:teacher=student"])
     errs = {h: errors(**kw) for h, (kw, _) in hypotheses.items()}
     matched = {h: {r: e <= TOL_LOGPROB for r, e in errs[h].items()} for h in hypotheses}
-    student_like = "the student's log-probs"
-    if student_like in hypotheses and sum(int(m.sum()) for m in matched[student_like].values()) \
-            <= total // 2:  # named only where the teacher's numbers are mostly the student's
-        del hypotheses[student_like], errs[student_like], matched[student_like]
     reading = diagnose({h: c for h, (_, c) in hypotheses.items()}, errs, matched, ref.lengths,
                        {side: ref.shorter(side, size)})
     found, causes = reading.lines, reading.causes
@@ -1482,9 +1467,9 @@ def side_sizes(ref, side, declared, skip, own, hypotheses, reading, scale):
         rows = sorted(own)
 
     def reference(row, arguments):
-        kw = {"temperature": arguments["temperature"] * scale, "offset": arguments.get("offset", 0),
-              "padded": arguments.get("padded")}
-        return ref.log_probs(arguments.get("source") or side, row, **kw)
+        return ref.log_probs(arguments.get("source") or side, row,
+                             arguments["temperature"] * scale, arguments.get("offset") or 0,
+                             arguments.get("padded"))
 
     def loss(log_p, offset):  # the other side's log-probs at the same positions as this side's
         mine = torch.cat([log_p[row] for row in rows])
@@ -1506,12 +1491,11 @@ def side_sizes(ref, side, declared, skip, own, hypotheses, reading, scale):
         shift = offset
         if cause.startswith("shift"):  # a shift moves both sides' positions: undone on both
             shift = 0
-        if cause in hypotheses[reading.best][1]:
+        if cause in hypotheses[reading.best][1]:  # the fixture's argument for the one it sets
             undo = UNDO[cause.split(":")[0]]
-            arguments[undo] = {"temperature": hypotheses[next(iter(hypotheses))][0]["temperature"],
-                               "offset": 0, "padded": None, "source": None}[undo]
+            arguments[undo] = hypotheses["the fixture"][0].get(undo)
         undone = dict(own)
-        for row, at in reading.positions.get(cause, {}).items():
+        for row, at in reading.positions[cause].items():
             undone[row] = own[row].clone()
             undone[row][at] = reference(row, arguments)[at]
         sizes[cause] = (with_it, loss(undone, shift))
@@ -1560,7 +1544,8 @@ def logits_form(ref, dump, T):
 def own_numbers(dump, rows, divided, sides=SIDES, ratio=None):
     """{side: Numbers} of the dump's own numbers over `rows`, concatenated (raw logits keep their
     temperature a parameter; log-probs at the teacher's top K ids keep the sampled token's too), or
-    None if one of `sides` has none; ratio: the student's log importance ratio (importance_ratio)."""
+    None if one of `sides` has none; ratio: the student's log importance ratio
+    (importance_ratio)."""
     def joined(name):
         if not all(name in dump.rows.get(r, {}) for r in rows):
             return None
@@ -1688,7 +1673,7 @@ def compare_divergence(ref, dump, declared, skip, size, divided=False, own_promp
     information (all within the tolerance of 0, or from two equal sides) are fitted to nothing."""
     name = "divergence"
     if not dump.rows or not all("divergence" in t for t in dump.rows.values()):
-        return Check(name, "not checked", ["the dump holds no divergence for every row"], []), None
+        return Check(name, "not checked", ["the dump holds no divergence for every row"]), None
     peer = {r: t["divergence"].double() for r, t in dump.rows.items()}
     bad = [r for r in peer if r >= len(ref.rows) or peer[r].shape != (ref.lengths[r],)]
     if bad:
@@ -1699,7 +1684,7 @@ def compare_divergence(ref, dump, declared, skip, size, divided=False, own_promp
                 length = ref.lengths[r]
             lines.append(f"row {r}: {tuple(peer[r].shape)} values, the fixture's answer has "
                          f"{length} positions")
-        return Check(name, "differs", lines, []), None
+        return Check(name, "differs", lines), None
     rows = sorted(peer)
     lengths = [ref.lengths[r] for r in rows]
     y = torch.cat([torch.tensor(ref.rows[r]["completion_ids"]) for r in rows])
@@ -1729,11 +1714,23 @@ def compare_divergence(ref, dump, declared, skip, size, divided=False, own_promp
         head += f" (positions {skip} on; the first {skip} are left out of the loss)"
     largest = float(((P - asked).abs() * kept).max())
     if n == total:
-        return Check(name, "matches", [head + f" (largest difference {largest:.1e})"], [],
+        return Check(name, "matches", [head + f" (largest difference {largest:.1e})"],
                      found=f"the value: {kind_of(declared)}, {describe(declared)} (as declared), "
                            f"all {total} positions within tolerance (largest difference "
                            f"{largest:.1e})"), peer
     unexplained = (step(P), step(torch.where(close(P, asked), P, asked)))
+
+    def unexplained_check(lines):  # no configuration tried explains the values: the rest sized
+        return Check(name, "differs", lines, ["value:unexplained"],
+                     found="the value: no configuration tried explains it",
+                     sizes={"value:unexplained": unexplained}), peer
+
+    def nearest(fit, count, c, said):  # a line on the nearest, where it is near enough to help
+        if count < HINT_SHARE * total or fit.degenerate(c):
+            return []
+        return [f"the nearest configuration tried, {said}, matches {count} of {total} positions "
+                f"({count / total:.0%}){zero_note(near_zero(P, fit.values(c), kept))}"]
+
     own = own_numbers(dump, rows, divided, ratio=ratio)
     silent = bool((P[kept].abs() <= TOL_DIVERGENCE[0]).all())
     if silent or equal_sides(own, declared, y):
@@ -1780,15 +1777,9 @@ def compare_divergence(ref, dump, declared, skip, size, divided=False, own_promp
                     f"(largest difference {largest:.1e})"
             return Check(name, "differs", lines, [cause for cause, _ in causes], dict(causes),
                          found, sizes), peer
-        lines = [head,
-                 f"no configuration tried explains your values from your own {numbers} within "
-                 "tolerance", *allowed]
-        if count >= HINT_SHARE * total and not fit.degenerate(c):
-            lines.append(f"the nearest, {said}, matches {count} of {total} positions "
-                         f"({count / total:.0%}){zero_note(near_zero(P, fit.values(c), kept))}")
-        return Check(name, "differs", lines, ["value:unexplained"],
-                     found="the value: no configuration tried explains it",
-                     sizes={"value:unexplained": unexplained}), peer
+        return unexplained_check([head, "no configuration tried explains your values from your "
+                                  f"own {numbers} within tolerance", *allowed,
+                                  *nearest(fit, count, c, said)])
     # no numbers of its own: the reference's, under the declared configuration with the positions
     # shifted or counted over pads or the teacher given the student's prompt, then every
     # configuration fitted
@@ -1846,29 +1837,19 @@ def compare_divergence(ref, dump, declared, skip, size, divided=False, own_promp
                 identified = f"the value: {kind_of(c)}, {label}"
                 if count == total:
                     identified += f": all {total} positions within tolerance"
-        if not reading.explained and count >= HINT_SHARE * total and not fit.degenerate(c):
-            reading.lines.append(f"the nearest configuration tried, {describe(c)}, matches {count} "
-                                 f"of {total} positions ({count / total:.0%})")
-    causes = list(reading.causes)
+        if not reading.explained:
+            reading.lines.extend(nearest(fit, count, c, describe(c)))
     if not reading.explained:  # what explains some positions only is no verified cause
-        reading.lines.append("no configuration tried explains your values within tolerance")
-        identified = "the value: no configuration tried explains it"
-        causes = ["value:unexplained"]
-        hypotheses[reading.best] = (asked, [])
-        reading.positions[None] = {r: ~m[skip:] for r, m in per_row(close(P, asked)).items()}
-    best = hypotheses[reading.best][0]
-    sizes = {}
+        return unexplained_check([head, *reading.lines[1:], "no configuration tried explains your "
+                                  "values within tolerance"])
+    best, causes, sizes = hypotheses[reading.best], reading.causes, {}
     for cause in causes:
-        instead = best  # what the positions it explains would be without it
-        if cause in hypotheses[reading.best][1]:
+        instead = best[0]  # what the positions it explains would be without it
+        if cause in best[1]:
             instead = undo.get(reading.best, {}).get(cause, asked)
-        at = reading.positions.get(cause)
-        if cause == "value:unexplained":
-            at = reading.positions[None]
         mask = torch.zeros_like(kept)
-        for r, m in at.items():
-            first = sum(lengths[:rows.index(r)])
-            mask[first + skip:first + lengths[rows.index(r)]] = m
+        for r, m in reading.positions[cause].items():
+            per_row(mask)[r][skip:] = m  # per_row's pieces are views of the mask
         sizes[cause] = (step(P), step(torch.where(mask, instead, P)))
     notes = {c: t for c, t in notes.items() if c in causes and t}
     return Check(name, "differs", [head, *reading.lines[1:]], causes, notes, identified,
@@ -1889,7 +1870,7 @@ def compare_loss(ref, dump, skip, peer_values, source, expected, counts, scored_
     loss scores beyond the answers."""
     name = "loss"
     if dump.loss is None:
-        return Check(name, "not checked", ["the dump states no loss"], [])
+        return Check(name, "not checked", ["the dump states no loss"])
     values = [peer_values[r] for r in range(len(ref.rows))]
     size = dump.micro_batch_size or ref.micro_batch_size
     kinds = [("the step's token mean", "step", []),
@@ -1977,21 +1958,21 @@ def compare_loss(ref, dump, skip, peer_values, source, expected, counts, scored_
     return Check(name, "matches" if ok else "differs", lines, causes, notes, identified, sizes)
 
 
-def compare_prompts(ref, dump):
-    """Check: the prompt ids the peer dumped, token for token; a teacher's ids equal to the
-    student's (the student's dumped, or else the fixture's) are said as such. Where both sides
-    differ, the first rows of each are listed."""
-    lines, causes, dumped = {side: [] for side in SIDES}, [], 0
+def dumped_prompts(dump):
+    """{side: {row: ids}}: the prompt ids the dump holds, rows in order."""
+    return {side: {r: t[f"{side}_prompt_ids"].tolist() for r, t in sorted(dump.rows.items())
+                   if f"{side}_prompt_ids" in t} for side in SIDES}
+
+
+def compare_prompts(ref, prompts):
+    """Check: the prompt ids the peer dumped (dumped_prompts), token for token; a teacher's ids
+    equal to the student's (the student's dumped, or else the fixture's) are said as such. Where
+    both sides differ, the first rows of each are listed."""
+    lines, causes = {side: [] for side in SIDES}, []
     for side in SIDES:
-        for row, tensors in sorted(dump.rows.items()):
-            if f"{side}_prompt_ids" not in tensors:
-                continue
-            dumped += 1
+        for row, theirs in prompts[side].items():
             ours = ref.rows[row][f"{side}_prompt_ids"]
-            theirs = tensors[f"{side}_prompt_ids"].tolist()
-            student = ref.rows[row]["student_prompt_ids"]
-            if "student_prompt_ids" in tensors:
-                student = tensors["student_prompt_ids"].tolist()
+            student = prompts["student"].get(row, ref.rows[row]["student_prompt_ids"])
             if side == "teacher" and theirs == student:
                 lines[side].append(f"row {row}, teacher: the student's own {len(theirs)} ids "
                                    f"(the fixture's teacher has {len(ours)}, with the reference)")
@@ -2004,12 +1985,13 @@ def compare_prompts(ref, dump):
                                    f"fixture's ids {ours[max(0, at - 2):at + 3]}, yours "
                                    f"{theirs[max(0, at - 2):at + 3]})")
                 causes.append(f"prompt:{side}")
+    dumped = sum(map(len, prompts.values()))
     if not dumped:
-        return Check("prompts", "not checked", ["the dump holds no prompt ids"], [])
+        return Check("prompts", "not checked", ["the dump holds no prompt ids"])
     count = sum(len(x) for x in lines.values())
     if not count:
         return Check("prompts", "matches",
-                     [f"all {dumped} dumped prompts are the fixture's, token for token"], [])
+                     [f"all {dumped} dumped prompts are the fixture's, token for token"])
     shown = 6
     if all(lines.values()):
         shown = 3  # of each side
@@ -2026,7 +2008,7 @@ def dumped_problems(t):
 def compare_batches(dump):
     """Check 2: the invariants of every micro-batch the peer dumped (check_batch)."""
     if not dump.batches:
-        return Check("batch", "not checked", ["the dump holds no batch tensors"], [])
+        return Check("batch", "not checked", ["the dump holds no batch tensors"])
     lines, causes = [], []
     for (k, side), t in sorted(dump.batches.items()):
         missing = [n for n in BATCH_TENSORS[:4] if n not in t]
@@ -2037,14 +2019,12 @@ def compare_batches(dump):
             lines.append(f"micro-batch {k}, {side}, {sentence}")
             if cause in ("pad-first", "position-ids"):
                 cause = f"{cause}:{side}"
-            if cause == "beyond-answer":
-                cause = "scored:beyond-answer"
             if cause:
                 causes.append(cause)
     if not lines:
         return Check("batch", "matches",
                      [f"all {len(dump.batches)} micro-batch inputs (both sides) keep each row's "
-                      "tokens contiguous, answer token 0 after the prompt's last"], [])
+                      "tokens contiguous, answer token 0 after the prompt's last"])
     shown = lines[:8] + ([f"... and {len(lines) - 8} more"] if len(lines) > 8 else [])
     return Check("batch", "differs", [f"{len(lines)} broken invariants", *shown],
                  list(dict.fromkeys(causes)))
@@ -2061,7 +2041,8 @@ def declared_config(dump, fixture):
     if dump.clip not in CLIPS:
         raise SystemExit(f"verify.py: clip {dump.clip!r} is not one of {', '.join(CLIPS)} (a peer "
                          "without a clip compares with 'none').")
-    setting = {"skip_first_tokens": 0, "support": "full", "beta": 0.0}
+    setting = {"skip_first_tokens": 0, "support": "full", "beta": 0.0, "form": "term", "scale": "1",
+               "nll": 0.0}
     if dump.setting is not None:
         setting.update(settings[dump.setting])
     stored = not dump.declared
@@ -2077,26 +2058,20 @@ def declared_config(dump, fixture):
         if key in setting and not ok(setting[key]):
             raise SystemExit(f"verify.py: the dump's {key} is {setting[key]}; it must be {rule}.")
     support = parse_support(setting["support"])
-    if "scale" not in setting:
-        setting["scale"] = 1.0
-    if "form" in setting and support["support"] == "sampled-token":
+    if "form" in dump.declared and support["support"] == "sampled-token":
         raise SystemExit("verify.py: the dump declares a form and a sampled-token support: the "
                          "sampled token's form is the support's (sampled-token:FORM); leave 'form' "
                          "out.")
-    form = {}
-    if "form" in setting:
-        form = parse_form(setting["form"])
-    T = setting["temperature"]
-    scale = T * T
-    if setting.get("scale", "T^2") != "T^2":
-        try:
-            scale = float(setting.get("scale", 1.0))
-        except ValueError:
-            raise SystemExit(f"verify.py: the dump's scale is {setting['scale']!r}; say a number "
-                             "or 'T^2'.")
+    T, scale = setting["temperature"], setting["scale"]
+    if scale == "T^2":
+        scale = T * T
+    try:
+        scale = float(scale)
+    except ValueError:
+        raise SystemExit(f"verify.py: the dump's scale is {scale!r}; say a number or 'T^2'.")
     c = Config(T, T, setting["beta"], dump.clip, setting.get("tau", 0.05), **support, scale=scale,
-               nll=setting.get("nll", 0.0))
-    return c._replace(**form), setting["skip_first_tokens"], stored
+               nll=setting["nll"])
+    return c._replace(**parse_form(setting["form"])), setting["skip_first_tokens"], stored
 
 
 def computable(c, numbers):
@@ -2123,11 +2098,11 @@ def verify(dump, ref):
         asked = config_values(declared, reference_numbers(reference, rows, ratio), y)
         return normalised(list(asked.split(lengths)), "step", size, skip)
 
-    prompts = compare_prompts(ref, dump)
+    dumped = dumped_prompts(dump)
+    prompts = compare_prompts(ref, dumped)
     checks = [compare_batches(dump), prompts]
-    theirs = {side: {r: t[f"{side}_prompt_ids"].tolist() for r, t in dump.rows.items()
-                     if f"{side}_prompt_ids" in t and r < len(ref.rows)
-                     and t[f"{side}_prompt_ids"].tolist() != ref.rows[r][f"{side}_prompt_ids"]}
+    theirs = {side: {r: ids for r, ids in dumped[side].items()
+                     if r < len(ref.rows) and ids != ref.rows[r][f"{side}_prompt_ids"]}
               for side in SIDES}
     peer_ref = ref.with_prompts(theirs)  # what else differs is read with the peer's own prompts
     divided, inferred = logits_form(peer_ref, dump, declared.student_t)
@@ -2183,19 +2158,18 @@ def verify(dump, ref):
                                               beyond)]
     checks = [c._replace(sizes={cause: (*pair, expected) for cause, pair in c.sizes.items()})
               for c in checks]
-    return rule_out(checks, ruled_out(dump, ref, size))
+    return rule_out(checks, ruled_out(dump, ref, size, dumped))
 
 
-def ruled_out(dump, ref, size):
+def ruled_out(dump, ref, size, prompts):
     """{cause: the check that rules it out}: a side's prompt, when every row's prompt ids on that
-    side were dumped and are the fixture's; a side's pad-predicted first position and pad-counted
-    position ids, when every micro-batch of that side was dumped and keeps the batch's
-    invariants."""
+    side were dumped (prompts: dumped_prompts) and are the fixture's; a side's pad-predicted first
+    position and pad-counted position ids, when every micro-batch of that side was dumped and keeps
+    the batch's invariants."""
     out = {}
     for side in SIDES:
-        if all(f"{side}_prompt_ids" in dump.rows.get(r, {})
-               and dump.rows[r][f"{side}_prompt_ids"].tolist()
-               == ref.rows[r][f"{side}_prompt_ids"] for r in range(len(ref.rows))):
+        if all(prompts[side].get(r) == row[f"{side}_prompt_ids"]
+               for r, row in enumerate(ref.rows)):
             out[f"prompt:{side}"] = "prompts"
         batches = [dump.batches.get((k, side)) for k in range(-(-len(ref.rows) // size))]
         if all(b is not None and all(n in b for n in BATCH_TENSORS[:4])
