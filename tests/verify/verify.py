@@ -16,6 +16,7 @@ import copy
 import hashlib
 import json
 import math
+import re
 import sys
 from pathlib import Path
 from typing import NamedTuple
@@ -121,7 +122,7 @@ def divergence(log_s, log_t, *, beta, clip, tau, weights=PLAIN):
 # them, with one more entry for the rest of each side's mass, or one side renormalised and the
 # other's log-probs used as they are; and one value from the sampled answer token y alone.
 
-def top_k_log_probs(log_s, log_t, k, tail, order, raw=""):
+def top_k_log_probs(log_s, log_t, k, tail, order, raw):
     """Both sides' (..., k) log-probs on the top k entries of one side, renormalised over them (tail
     False) or (..., k + 1) with a last entry log(1 - their mass) holding the rest (tail True); the
     side named by `raw` keeps its log-probs there as they are (their sum below 1). order: (..., >=
@@ -163,11 +164,10 @@ SAMPLED_FORMS = {
 }
 
 
-def sampled_value(a, b, form, beta, clamp=False, ratio=None):
+def sampled_value(a, b, form, beta, clamp, ratio):
     """(N,) one value per position from a = log p_S(y), b = log p_T(y) (SAMPLED_FORMS); ratio: the
     log of the importance ratio p_S(y) / p_sampler(y), for "importance" (None: the ratio 1). The
-    divergence's
-    halves, for "term" and "estimate" (their sum; one half at beta 0 or 1):
+    divergence's halves, for "term" and "estimate" (their sum; one half at beta 0 or 1):
       term:      beta p_T(y) (b - log m(y))  and  (1 - beta) p_S(y) (a - log m(y)),
                  m = beta p_T + (1 - beta) p_S
       estimate:  the same divided by p_S(y)
@@ -180,8 +180,8 @@ def sampled_value(a, b, form, beta, clamp=False, ratio=None):
     if form == "surrogate":
         return (a - b) * a
     if form == "importance":
-        if ratio is None:
-            ratio = torch.zeros_like(a)
+        if ratio is None:  # the ratio 1
+            return a - b
         return -torch.exp(ratio) * (b - a)
     weight_t, weight_s = b.exp(), a.exp()
     if form == "estimate":
@@ -198,9 +198,6 @@ def sampled_value(a, b, form, beta, clamp=False, ratio=None):
     return sum(halves)
 
 
-NORMALISATIONS = ("step", "micro-batch", "answer", "row", "sum")
-
-
 def normalised(values, how, micro_batch_size, skip=0, count_skipped=False):
     """The loss from per-position values (one (L,) tensor a row), over the positions j >= skip:
       step:         their sum over the whole step / their number (opsd's)
@@ -211,30 +208,19 @@ def normalised(values, how, micro_batch_size, skip=0, count_skipped=False):
       sum:          the step's sum
     count_skipped: the step's sum over j >= skip divided by every position's number."""
     kept = [v[skip:] for v in values]
+    total = float(sum(v.sum() for v in kept))
     if how == "step":
-        count = sum(len(v) for v in (values if count_skipped else kept))
-        return float(sum(v.sum() for v in kept) / max(count, 1))
+        return total / max(sum(len(v) for v in (values if count_skipped else kept)), 1)
     if how == "sum":
-        return float(sum(v.sum() for v in kept))
+        return total
     if how == "row":
-        return float(sum(v.sum() for v in kept) / len(kept))
+        return total / len(kept)
     if how == "answer":
         means = [v.mean() for v in kept if len(v)]
         return float(sum(means) / len(means))
     groups = [kept[i:i + micro_batch_size] for i in range(0, len(kept), micro_batch_size)]
     means = [sum(v.sum() for v in g) / n for g in groups if (n := sum(len(v) for v in g))]
     return float(sum(means) / len(means))
-
-
-def pads_after(prompt_lengths, micro_batch_size):
-    """Per row, how much shorter its prompt is than the longest of its micro-batch (consecutive
-    rows): the pads a batch that pads prompts on the right puts between its prompt and its
-    answer."""
-    gaps = []
-    for first in range(0, len(prompt_lengths), micro_batch_size):
-        group = prompt_lengths[first:first + micro_batch_size]
-        gaps += [max(group) - n for n in group]
-    return gaps
 
 
 class Reference:
@@ -278,8 +264,14 @@ class Reference:
         return other
 
     def pads(self, side, size):
-        """pads_after of the side's prompts."""
-        return pads_after([len(r[f"{side}_prompt_ids"]) for r in self.rows], size)
+        """Per row, how much shorter its prompt on `side` is than the longest of its micro-batch
+        (`size` consecutive rows): the pads a batch that pads prompts on the right puts between its
+        prompt and its answer."""
+        lengths, gaps = [len(r[f"{side}_prompt_ids"]) for r in self.rows], []
+        for first in range(0, len(lengths), size):
+            group = lengths[first:first + size]
+            gaps += [max(group) - n for n in group]
+        return gaps
 
     def shorter(self, side, size):
         """The rows whose prompt on `side` is shorter than their micro-batch's longest."""
@@ -290,12 +282,10 @@ class Reference:
         prompt to the micro-batch's longest puts before it (the rows with the longest prompt
         unchanged)."""
         if (side, size) not in self.padded:
-            gaps = self.pads(side, size)
-            self.padded[(side, size)] = [
+            self.padded[side, size] = [
                 row_logits(self.model, r[f"{side}_prompt_ids"], r["completion_ids"], gap) if gap
-                                         else x
-                for r, x, gap in zip(self.rows, self.logits[side], gaps)]
-        return self.padded[(side, size)]
+                else x for r, x, gap in zip(self.rows, self.logits[side], self.pads(side, size))]
+        return self.padded[side, size]
 
     def log_probs(self, side, row, temperature, offset=0, padded=None):
         """(L, V) the side's log-probs at `temperature`, at the positions shifted by `offset`;
@@ -305,21 +295,10 @@ class Reference:
         L = self.lengths[row]
         return torch.log_softmax(x[1 + offset:1 + offset + L] / temperature, -1)
 
-    def divergences(self, *, beta, temperature, clip, tau, student_t=None, teacher_t=None, offset=0,
-                    swapped=False, padded=(), size=None):
-        """[(L,)] per row: the divergence at `temperature` (or student_t / teacher_t on one side),
-        both sides at positions shifted by `offset`; swapped: the student's and teacher's roles
-        exchanged; padded: the sides whose answers sit at position ids counted over pads
-        (micro-batches of `size`)."""
-        out = []
-        for row in range(len(self.rows)):
-            log_s, log_t = (self.log_probs(side, row, t or temperature, offset,
-                                           size if side in padded else None)
-                            for side, t in (("student", student_t), ("teacher", teacher_t)))
-            if swapped:
-                log_s, log_t = log_t, log_s
-            out.append(divergence(log_s, log_t, beta=beta, clip=clip, tau=tau))
-        return out
+    def divergences(self, *, beta, temperature, clip, tau):
+        """[(L,)] per row: the divergence at `temperature`."""
+        return [divergence(*(self.log_probs(side, row, temperature) for side in SIDES), beta=beta,
+                           clip=clip, tau=tau) for row in range(len(self.rows))]
 
 
 # -----------------------------------------------------------------------------
@@ -355,35 +334,31 @@ class Config(NamedTuple):
 def parse_support(text):
     """Config fields of a declared support: "full", "top-k:SIDE:K" (":tail" after it: a tail entry;
     ":raw-SIDE": that side's log-probs as they are, the other's renormalised; ":raw": both as they
-    are), or
-    "sampled-token:FORM" (":clamped" after it: each half clamped at >= 0); None if it is none of
-    these."""
-    parts = text.split(":")
-    if parts == ["full"]:
+    are), or "sampled-token:FORM" (":clamped" after it: each half clamped at >= 0); None if it is
+    none of these."""
+    if text == "full":
         return {"support": "full"}
-    raw_sides = [[f"raw-{side}"] for side in SIDES] + [["raw"]]
-    if parts[0] == "top-k" and len(parts) in (3, 4) and parts[1] in SIDES and parts[2].isdigit() \
-            and int(parts[2]) > 0 and parts[3:] in ([], ["tail"], *raw_sides):
-        raw = ""
-        if parts[3:] in raw_sides:
-            raw = parts[3][len("raw-"):] or "both"
-        return {"support": "top-k", "by": parts[1], "k": int(parts[2]),
-                "tail": parts[3:] == ["tail"], "raw": raw}
-    if parts[0] == "sampled-token" and len(parts) in (2, 3) and parts[1] in SAMPLED_FORMS \
-            and parts[2:] in ([], ["clamped"]):
-        return {"support": "sampled-token", "form": parts[1], "clamp": parts[2:] == ["clamped"]}
+    top = re.fullmatch(r"top-k:(student|teacher):(\d+)(:tail|:raw|:raw-student|:raw-teacher)?",
+                       text)
+    if top and int(top[2]) > 0:
+        raw = {":raw-student": "student", ":raw-teacher": "teacher", ":raw": "both"}.get(top[3], "")
+        return {"support": "top-k", "by": top[1], "k": int(top[2]), "tail": top[3] == ":tail",
+                "raw": raw}
+    sampled = re.fullmatch(r"sampled-token:(\w+)(:clamped)?", text)
+    if sampled and sampled[1] in SAMPLED_FORMS:
+        return {"support": "sampled-token", "form": sampled[1], "clamp": bool(sampled[2])}
     return None
 
 
 def parse_form(text):
     """Config fields of a declared form, the weights of the terms: "term", "cross-entropy" or
     "mixed:W" (W from 0 to 1, the forward KL at beta 0); None if it is none of these."""
-    parts = text.split(":")
-    if parts in (["term"], ["cross-entropy"]):
-        return {"weights": {"term": PLAIN, "cross-entropy": CROSS_ENTROPY}[parts[0]]}
-    if parts[0] == "mixed" and len(parts) == 2:
+    forms = {"term": PLAIN, "cross-entropy": CROSS_ENTROPY}
+    if text in forms:
+        return {"weights": forms[text]}
+    if text.startswith("mixed:"):
         try:
-            w = float(parts[1])
+            w = float(text[len("mixed:"):])
         except ValueError:
             return None
         if 0.0 <= w <= 1.0:
@@ -413,13 +388,6 @@ def top_k_kind(c):
     return "renormalised"
 
 
-def scale_name(c):
-    """The cause of a scale: "scale:T^2" where it is the temperature squared."""
-    if same(c.scale, c.student_t ** 2) and c.scale != 1.0:
-        return "scale:T^2"
-    return "scale"
-
-
 def kind_of(c):
     if c.support != "sampled-token":
         if form_name(c) == "cross-entropy":
@@ -438,9 +406,10 @@ def describe(c, temperatures=True):
     nothing)."""
     what = {0.0: "forward KL (beta 0)", 1.0: "reverse KL (beta 1)"}.get(
         c.beta, f"generalized JSD (beta {c.beta:.4g})")
-    if form_name(c) == "mixed":
+    form = form_name(c)
+    if form == "mixed":
         what = f"w KL(T || S) + (1 - w) KL(S || T) with w {c.weights[0]:.4g}"
-    elif form_name(c) == "cross-entropy":
+    elif form == "cross-entropy":
         what = "the cross-entropy -sum p_T log p_S (the forward KL plus the teacher's entropy)"
     if c.support == "sampled-token" and not uses_beta(c):
         what = SAMPLED_FORMS[c.form][1]
@@ -475,51 +444,51 @@ def same(a, b, rel=1e-3):
 
 
 def differences(found, declared, k_note=None):
-    """[(cause, note)]: how `found` departs from the declared configuration."""
-    out = []
-    moved = [side for side in SIDES if not same(getattr(found, f"{side}_t"), getattr(declared,
-                                                                                     f"{side}_t"))]
+    """{cause: note}: how `found` departs from the declared configuration."""
+    out = {}
+    pairs = {side: (getattr(found, f"{side}_t"), getattr(declared, f"{side}_t")) for side in SIDES}
+    moved = {side: pair for side, pair in pairs.items() if not same(*pair)}  # (fitted, declared)
     if len(moved) == 2 and same(found.student_t, found.teacher_t):
-        out.append(("temperature:both",
-                    f"T {found.student_t:.4g} on both sides, {declared.student_t:g} declared"))
+        out["temperature:both"] = f"T {found.student_t:.4g} on both sides, " \
+                                  f"{declared.student_t:g} declared"
     else:
-        for side in moved:
-            fitted, asked = getattr(found, f"{side}_t"), getattr(declared, f"{side}_t")
-            out.append((f"temperature:{side}", f"T {fitted:.4g}, {asked:g} declared"))
-    structure = ("support", "by", "k", "tail", "raw")
+        for side, (fitted, asked) in moved.items():
+            out[f"temperature:{side}"] = f"T {fitted:.4g}, {asked:g} declared"
     if found.support == "top-k" and any(getattr(found, f) != getattr(declared, f)
-                                        for f in structure):
-        out.append((f"top-k:{found.by}:{top_k_kind(found)}", k_note or f"k = {found.k}"))
+                                        for f in "support by k tail raw".split()):
+        out[f"top-k:{found.by}:{top_k_kind(found)}"] = k_note or f"k = {found.k}"
     elif found.support == "sampled-token" and (found.support, found.form) != (declared.support,
                                                                                declared.form):
-        out.append((f"sampled-token:{found.form}", kind_of(found)))
+        out[f"sampled-token:{found.form}"] = kind_of(found)
     elif found.support == "full" and declared.support != "full":
-        out.append(("support:full", None))
+        out["support:full"] = None
     reweighted = any(abs(a - b) > 1e-3 for a, b in zip(found.weights, declared.weights))
-    if found.support != "sampled-token" and reweighted:
+    form = form_name(found)
+    if reweighted and found.support != "sampled-token":
         note = None
-        if form_name(found) == "mixed":
+        if form == "mixed":
             note = f"w {found.weights[0]:.4g}"
             if form_name(declared) == "mixed":
                 note += f", {declared.weights[0]:g} declared"
-        out.append((f"form:{form_name(found)}", note))
+        out[f"form:{form}"] = note
     if found.support == "sampled-token" and found.clamp != declared.clamp:
-        out.append(("clamp:halves" if found.clamp else "clamp:none", None))
-    beta_moved = abs(found.beta - declared.beta) > 1e-3
-    if uses_beta(found) and declared.weights == PLAIN and beta_moved \
-            and not same(found.beta, declared.beta, 1e-6):
+        out["clamp:halves" if found.clamp else "clamp:none"] = None
+    if uses_beta(found) and declared.weights == PLAIN and abs(found.beta - declared.beta) > 1e-3:
         note = f"beta {found.beta:.4g}, {declared.beta:g} declared"
         if declared.beta in (0.0, 1.0) and found.beta == 1.0 - declared.beta:
             note += ": the student and the teacher exchanged"
-        out.append(("beta", note))
+        out["beta"] = note
     if abs(found.nll - declared.nll) > 1e-3:
-        out.append(("term:nll", f"weight {found.nll:.4g}, the rest weighted {found.scale:.4g}"))
+        out["term:nll"] = f"weight {found.nll:.4g}, the rest weighted {found.scale:.4g}"
     elif not same(found.scale, declared.scale):
-        out.append((scale_name(found), f"x{found.scale:.4g}, {declared.scale:.4g} declared"))
+        cause = "scale"
+        if same(found.scale, found.student_t ** 2) and found.scale != 1.0:
+            cause = "scale:T^2"  # the temperature squared
+        out[cause] = f"x{found.scale:.4g}, {declared.scale:.4g} declared"
     if found.clip != declared.clip:
-        out.append((f"clip:{found.clip}", None))
+        out[f"clip:{found.clip}"] = None
     elif found.clip != "none" and not same(found.tau, declared.tau):
-        out.append(("tau", f"tau {found.tau:.4g}, {declared.tau:g} declared"))
+        out["tau"] = f"tau {found.tau:.4g}, {declared.tau:g} declared"
     return out
 
 
@@ -534,18 +503,9 @@ class Numbers:
         self.ids, self.ratio = ids, ratio
         self.cache = {}  # {temperature: log-probs}
         self.ranks = None
-
-    @property
-    def free(self):  # whether the temperature is a parameter of these numbers
-        return self.logits is not None
-
-    @property
-    def full(self):
-        return self.ids is None and (self.logits is not None or self.logprobs is not None)
-
-    @property
-    def sparse(self):  # log-probs at the teacher's top K ids alone
-        return self.ids is not None
+        self.free = logits is not None  # whether the temperature is a parameter of these numbers
+        self.sparse = ids is not None  # log-probs at the teacher's top K ids alone
+        self.full = not self.sparse and (logits is not None or logprobs is not None)
 
     def at(self, index):
         """These numbers at some positions only."""
@@ -576,53 +536,46 @@ class Numbers:
         """(N, V) the entries by rank, largest first (whatever the temperature); of the top K ids,
         their columns by rank."""
         if self.ranks is None:
-            x = self.logprobs
-            if x is None:
-                x = self.logits
-            self.ranks = x.sort(dim=-1, descending=True, stable=True).indices
+            x = self.logits if self.logprobs is None else self.logprobs
+            self.ranks = x.argsort(dim=-1, descending=True, stable=True)
         return self.ranks
 
 
-def config_values(c, student, teacher, y, peer=None, tie=0.0):
-    """(N,) each position's value under configuration c, from both sides' Numbers and the sampled
-    tokens y: its scale times its form's value over its support, plus its weight of the student's
-    negative log-likelihood of y (the composition; form_values the form's part)."""
-    value = form_values(c, student, teacher, y, peer, tie)
+def config_values(c, numbers, y, peer=None, tie=0.0):
+    """(N,) each position's value under configuration c, from both sides' Numbers ({side:
+    Numbers}) and the sampled tokens y: its scale times its form's value over its support, plus its
+    weight of the student's negative log-likelihood of y (the composition; form_values the form's
+    part)."""
+    value = form_values(c, numbers, y, peer, tie)
     if c.scale == 1.0 and not c.nll:
         return value
-    return c.scale * value - c.nll * student.of_token(c.student_t, y)
+    return c.scale * value - c.nll * numbers["student"].of_token(c.student_t, y)
 
 
-def form_values(c, student, teacher, y, peer=None, tie=0.0):
+def form_values(c, numbers, y, peer, tie):
     """(N,) the form's value of configuration c over its support. A top k whose k-th and
     (k + 1)-th log-probs lie within `tie`: the peer's choice, the nearer to `peer`. From the
     teacher's top K ids alone, the student's numbers are at those ids."""
     if c.support == "sampled-token":
-        a, b = student.of_token(c.student_t, y), teacher.of_token(c.teacher_t, y)
-        value = sampled_value(a, b, c.form, c.beta, c.clamp, student.ratio)
+        a, b = (numbers[side].of_token(getattr(c, f"{side}_t"), y) for side in SIDES)
+        value = sampled_value(a, b, c.form, c.beta, c.clamp, numbers["student"].ratio)
         if c.clip != "none":
             value = value.clamp(max=c.tau)
         return value
-    log_s, log_t = student.log_probs(c.student_t), teacher.log_probs(c.teacher_t)
+    log = {side: numbers[side].log_probs(getattr(c, f"{side}_t")) for side in SIDES}
     terms = {"beta": c.beta, "clip": c.clip, "tau": c.tau, "weights": c.weights}
     if c.support == "full":
-        return divergence(log_s, log_t, **terms)
-    side = student
-    if c.by == "teacher":
-        side = teacher
-    order = side.order()
-    d = divergence(*top_k_log_probs(log_s, log_t, c.k, c.tail, order, c.raw), **terms)
+        return divergence(*log.values(), **terms)
+    order = numbers[c.by].order()
+    d = divergence(*top_k_log_probs(*log.values(), c.k, c.tail, order, c.raw), **terms)
     if tie and peer is not None and c.k < order.shape[-1]:
-        by = log_s
-        if c.by == "teacher":
-            by = log_t
-        ranked = by.gather(-1, order[:, c.k - 1:c.k + 1])
+        ranked = log[c.by].gather(-1, order[:, c.k - 1:c.k + 1])
         tied = (ranked[:, 0] - ranked[:, 1]).abs() <= tie
         if tied.any():  # the k-th and (k + 1)-th exchanged: the peer's top k may hold either
             swapped = order[tied].clone()
             swapped[:, [c.k - 1, c.k]] = swapped[:, [c.k, c.k - 1]]
-            top = top_k_log_probs(log_s[tied], log_t[tied], c.k, c.tail, swapped, c.raw)
-            other = divergence(*top, **terms)
+            other = divergence(*top_k_log_probs(*(x[tied] for x in log.values()), c.k, c.tail,
+                                                swapped, c.raw), **terms)
             nearer = (peer[tied] - c.scale * other).abs() < (peer[tied] - c.scale * d[tied]).abs()
             d[tied] = torch.where(nearer, other, d[tied])
     return d
@@ -632,22 +585,26 @@ def minimise(f, low, high, log=False, points=10, steps=22):
     """The x in [low, high] where f(x) is least: the best of a grid of `points`, then a
     golden-section search between its neighbours (in log x when `log`)."""
     to, back = (math.log, math.exp) if log else (float, float)
+
+    def g(x):  # f where x is searched (its log when `log`)
+        return f(back(x))
+
     grid = [to(low) + (to(high) - to(low)) * i / (points - 1) for i in range(points)]
-    scores = [f(back(x)) for x in grid]
+    scores = [g(x) for x in grid]
     best = min(range(points), key=scores.__getitem__)
     a, b = grid[max(best - 1, 0)], grid[min(best + 1, points - 1)]
     golden = (math.sqrt(5.0) - 1.0) / 2.0
     c, d = b - golden * (b - a), a + golden * (b - a)
-    fc, fd = f(back(c)), f(back(d))
+    fc, fd = g(c), g(d)
     for _ in range(steps):
         if fc <= fd:
             b, d, fd = d, c, fc
             c = b - golden * (b - a)
-            fc = f(back(c))
+            fc = g(c)
         else:
             a, c, fc = c, d, fd
             d = a + golden * (b - a)
-            fd = f(back(d))
+            fd = g(d)
     x, fx = (c, fc) if fc <= fd else (d, fd)
     return back(x) if fx <= scores[best] else back(grid[best])
 
@@ -671,20 +628,20 @@ class Fit:
     then every support, clip and sampled-token form, each with its free parameters (the temperatures
     where the numbers are logits, beta, tau, k) searched."""
 
-    def __init__(self, student, teacher, y, peer, kept, declared, tie=0.0, narrow=False):
-        self.student, self.teacher, self.y, self.peer, self.kept = student, teacher, y, peer, kept
+    def __init__(self, numbers, y, peer, kept, declared, tie=0.0, narrow=False):
+        self.numbers, self.y, self.peer, self.kept = numbers, y, peer, kept
+        self.student, self.teacher = numbers["student"], numbers["teacher"]
         self.declared, self.tie, self.narrow = declared, tie, narrow  # narrow: the declared alone
         self.total = int(kept.sum())
         index = kept.nonzero()[:, 0]
         spread = torch.linspace(0, len(index) - 1, min(FIT_POSITIONS, len(index)))
         index = index[spread.round().long()]
-        self.search = (student.at(index), teacher.at(index), y[index], peer[index])
+        self.search = ({side: x.at(index) for side, x in numbers.items()}, y[index], peer[index])
 
     def values(self, c, on_search=False):
-        student, teacher, y, peer = self.student, self.teacher, self.y, self.peer
         if on_search:
-            student, teacher, y, peer = self.search
-        return config_values(c, student, teacher, y, peer, self.tie)
+            return config_values(c, *self.search, self.tie)
+        return config_values(c, self.numbers, self.y, self.peer, self.tie)
 
     def count(self, c):
         return int((close(self.peer, self.values(c)) & self.kept).sum())
@@ -692,11 +649,11 @@ class Fit:
     def score(self, c):
         """The distance searched on: the sum of the absolute differences at the search positions
         (its basin is wide, so a grid finds it; its least is where every position matches)."""
-        gap = (self.search[3] - self.values(c, on_search=True)).abs()
+        gap = (self.search[2] - self.values(c, on_search=True)).abs()
         return float(torch.nan_to_num(gap, nan=1e3).sum())  # NaN: a value these numbers lack
 
     def free(self, c):
-        names = [f"{side}_t" for side, x in zip(SIDES, (self.student, self.teacher)) if x.free]
+        names = [f"{side}_t" for side, x in self.numbers.items() if x.free]
         if uses_beta(c):
             names.append("beta")
         if c.clip != "none":
@@ -706,23 +663,21 @@ class Fit:
     def move(self, c, name):
         """c with the parameter `name` where the score is least (c itself if nothing found is
         better)."""
-        def at(x):
-            return self.score(c._replace(**{name: x}))
+        def at(x):  # c with the parameter at x ("temperature": one loss temperature on both sides)
+            if name == "temperature":
+                return c._replace(student_t=x, teacher_t=x)
+            return c._replace(**{name: x})
+
+        def score(x):
+            return self.score(at(x))
+
         if name == "beta":  # the ends are the KLs, not the JSD's limits: tried apart
-            inside = minimise(at, 1e-3, 1.0 - 1e-3)
-            moved = c._replace(beta=min((0.0, 1.0, inside), key=at))
+            x = min((0.0, 1.0, minimise(score, 1e-3, 1.0 - 1e-3)), key=score)
         elif name == "tau":
-            moved = c._replace(tau=minimise(at, *TAUS, log=True))
-        elif name == "temperature":  # one loss temperature on both sides
-            def both(x):
-                return self.score(c._replace(student_t=x, teacher_t=x))
-            x = minimise(both, *TEMPERATURES, log=True)
-            moved = c._replace(student_t=x, teacher_t=x)
+            x = minimise(score, *TAUS, log=True)
         else:
-            moved = c._replace(**{name: minimise(at, *TEMPERATURES, log=True)})
-        if self.score(moved) < self.score(c):
-            return moved
-        return c
+            x = minimise(score, *TEMPERATURES, log=True)
+        return min((c, at(x)), key=self.score)  # c where nothing found is better
 
     def k_bound(self):
         """The least k that is no top k: the vocabulary's size (a top k of it is the whole), or one
@@ -739,7 +694,7 @@ class Fit:
         if self.teacher.sparse:
             grid.append(V - 1)
         def count(k):  # the search positions matched
-            return int(close(self.search[3], self.values(c._replace(k=k), on_search=True)).sum())
+            return int(close(self.search[2], self.values(c._replace(k=k), on_search=True)).sum())
 
         return c._replace(k=max(grid, key=lambda k: (count(k), -k)))
 
@@ -748,17 +703,19 @@ class Fit:
         V = self.k_bound()
         top = self.count(c)
 
+        def matches(k):  # whether k matches as many positions
+            return self.count(c._replace(k=k)) == top
+
         # the last k from c's towards `direction` (+1 or -1) that matches `top` positions
         def edge(direction):
             inside, step = c.k, 1
-            while 1 <= inside + step * direction < V \
-                    and self.count(c._replace(k=inside + step * direction)) == top:
+            while 1 <= inside + step * direction < V and matches(inside + step * direction):
                 inside += step * direction
                 step *= 2
             outside = min(max(inside + step * direction, 0), V)
             while abs(outside - inside) > 1:
                 middle = (inside + outside) // 2
-                if self.count(c._replace(k=middle)) == top:
+                if matches(middle):
                     inside = middle
                 else:
                     outside = middle
@@ -817,11 +774,9 @@ class Fit:
         declared one where it is that), the terms' weights its shares. c itself where neither
         matches more positions."""
         terms = [i for i, w in enumerate(c.weights) if w]
-        columns = [-self.student.of_token(c.student_t, self.y)]
-        for i in terms:
-            unit = c._replace(scale=1.0, nll=0.0, weights=tuple(float(i == j) for j in range(3)))
-            columns.insert(-1, form_values(unit, self.student, self.teacher, self.y, self.peer,
-                                           self.tie))
+        alone = [tuple(float(i == j) for j in range(3)) for i in terms]  # each term's weights
+        columns = [self.values(c._replace(scale=1.0, nll=0.0, weights=w)) for w in alone]
+        columns.append(-self.student.of_token(c.student_t, self.y))
         keep = self.kept & torch.stack(columns).isfinite().all(0)
         weight = 1.0 / (TOL_DIVERGENCE[0] + TOL_DIVERGENCE[1] * self.peer[keep].abs())
         best, n = c, self.count(c)
@@ -851,27 +806,25 @@ class Fit:
         full = self.student.full and self.teacher.full
         sparse = self.student.sparse and self.teacher.sparse
         out = []
-        # the sampled token's log-probs alone give no other support
-        if full or d.support == "sampled-token" or (sparse and d.support == "top-k"
-                                                    and d.by == "teacher"):
-            out.append({"support": d.support, "by": d.by, "k": d.k, "tail": d.tail, "raw": d.raw,
-                        "form": d.form, "weights": d.weights, "clamp": d.clamp, "clip": d.clip})
+        # the declared structure itself, where these numbers give it (any k: fitted finds k); the
+        # sampled token's log-probs alone give no other support
+        if computable(d._replace(k=0), self.numbers):
+            out.append({})
         plain = {"form": "term", "weights": PLAIN, "raw": "", "tail": False}
         top = {**plain, "support": "top-k", "by": "teacher", "clip": d.clip}
+        clips = dict.fromkeys((d.clip, "none"))
         if full:
             out += [{**plain, "support": "full", "clip": clip} for clip in CLIPS]
         out += [{**top, "by": by, "tail": tail} for by in SIDES for tail in (False, True)
                 if full or (sparse and by == "teacher")]
-        for form in SAMPLED_FORMS:
-            for clamp in ((False, True) if form in ("term", "estimate") else (False,)):
-                for clip in dict.fromkeys((d.clip, "none")):
-                    out.append({"support": "sampled-token", "form": form, "weights": PLAIN,
-                                "clamp": clamp, "clip": clip})
+        out += [{"support": "sampled-token", "form": form, "weights": PLAIN, "clamp": clamp,
+                 "clip": clip} for form in SAMPLED_FORMS for clamp in (False, True)
+                for clip in clips if not clamp or form in ("term", "estimate")]
         # the other weights of the terms (their shares fitted by least squares, Fit.composed)
         mixed, entropy = {"weights": (0.5, 0.5, 0.0), "beta": 0.0}, {"weights": CROSS_ENTROPY}
         if full:
             out += [{**plain, **form, "support": "full", "clip": clip}
-                    for form in (mixed, entropy) for clip in dict.fromkeys((d.clip, "none"))]
+                    for form in (mixed, entropy) for clip in clips]
         if full or sparse:
             out += [{**top, **form, "raw": raw} for raw, form in (
                 ("student", {}), ("student", entropy), ("", entropy), ("both", {}))]
@@ -887,7 +840,6 @@ class Fit:
         (PHASE_TWO in all) with the temperatures fitted too. The first that matches every position
         ends the search."""
         found = []
-        temperatures = ("student_t", "teacher_t")
         structures = self.structures()
         if self.narrow:
             structures = structures[:1]
@@ -899,11 +851,9 @@ class Fit:
                 nearest = sorted(range(1, len(found)), key=lambda i: -found[i][0])[:PHASE_TWO - 1]
                 structures = [structures[i] for i in [0] + sorted(nearest)]
             for fields in structures:
-                c = self.declared._replace(**fields)
-                if c.support == "top-k" and c.k == 0:
-                    c = c._replace(k=1)
+                c = self.declared._replace(**fields)  # a top k's k: fitted's
                 c = self.fitted(c, [n for n in self.free(c) if fit_temperatures
-                                    or n not in temperatures])
+                                    or not n.endswith("_t")])
                 found.append((self.count(c), c))
                 if found[-1][0] == self.total:
                     break
@@ -913,14 +863,6 @@ class Fit:
         if c.support == "top-k":
             return n, c, self.k_note(c)
         return n, c, None
-
-    def degenerate(self, c):
-        """Whether c's values are all within the tolerance of zero while the peer's are not: a form
-        that matches whatever lies near zero, never offered as a hint."""
-        value = self.values(c)[self.kept]
-        peer = self.peer[self.kept]
-        value_zero = bool(close(value, torch.zeros_like(value)).all())
-        return value_zero and not bool(close(peer, torch.zeros_like(peer)).all())
 
 
 # a configuration that matches less than this share of positions is not offered as a hint
@@ -937,13 +879,13 @@ def check_batch(input_ids, attention_mask, position_ids, answer_mask, scored_mas
     ids, its answer tokens must be real and adjacent, answer token 0 must come right after a real
     prompt token (it is predicted from the prompt's last token), and the scored positions must be
     those just before the answer tokens. An empty list: the batch keeps every row's order."""
-    problems = batch_problems(input_ids, attention_mask, position_ids, answer_mask, scored_mask)
-    return [sentence for _, sentence in problems]
+    return [sentence for _, sentence in batch_problems(input_ids, attention_mask, position_ids,
+                                                       answer_mask, scored_mask)]
 
 
 def batch_problems(input_ids, attention_mask, position_ids, answer_mask, scored_mask=None):
     """check_batch's sentences, each with the cause it points to ("position-ids", "pad-first",
-    "shift:+1", "shift:-1" or None)."""
+    "shift:+1", "shift:-1", "scored:beyond-answer" or None)."""
     problems = []
     for row in range(input_ids.shape[0]):
         real = attention_mask[row].bool()
@@ -980,7 +922,7 @@ def batch_problems(input_ids, attention_mask, position_ids, answer_mask, scored_
 
 def scored_problems(row, scored, real, answer):
     """batch_problems' sentences on one row's scored positions: shifted, or more than the positions
-    before the answer tokens (the cause "beyond-answer"), or else not those."""
+    before the answer tokens (the cause "scored:beyond-answer"), or else not those."""
     wanted = (answer - 1).tolist()
     at = scored.nonzero()[:, 0].tolist()
     if at == wanted:
@@ -1006,8 +948,8 @@ def scored_problems(row, scored, real, answer):
         if pads:
             kinds.append(f"{len(pads)} outputs at pads")
         kinds = kinds or [f"{len(extra)} other outputs"]
-        return [("beyond-answer", f"row {row}: besides the {len(wanted)} outputs before its answer "
-                 f"tokens, the loss scores {' and '.join(kinds)}.")]
+        return [("scored:beyond-answer", f"row {row}: besides the {len(wanted)} outputs before its "
+                 f"answer tokens, the loss scores {' and '.join(kinds)}.")]
     missing = sorted(set(wanted) - set(at))
     return [(None, f"row {row}: the output before answer token {missing[0] - first + 1} (index "
              f"{missing[0]}) is not scored; {len(extra)} other outputs are.")]
@@ -1030,11 +972,9 @@ class Dump(NamedTuple):
     declared: dict = {}
 
 
-ROW_TENSORS = ("student_logprobs", "teacher_logprobs", "student_logits", "teacher_logits",
-               "student_token_logprobs", "teacher_token_logprobs", "divergence",
-               "student_prompt_ids", "teacher_prompt_ids", "teacher_topk_ids",
-               "teacher_topk_logprobs", "student_topk_logprobs", "sampler_token_logprobs",
-               "beyond_divergence")
+ROW_TENSORS = ("divergence", "beyond_divergence", "teacher_topk_ids", "sampler_token_logprobs",
+               *(f"{side}_{kind}" for side in SIDES for kind in ("logprobs", "logits",
+                 "token_logprobs", "topk_logprobs", "prompt_ids")))
 BATCH_TENSORS = ("input_ids", "attention_mask", "position_ids", "answer_mask", "scored_mask")
 DECLARABLE = {"temperature": float, "beta": float, "tau": float, "skip_first_tokens": int,
               "support": str, "form": str, "scale": str, "nll": float}
@@ -1048,17 +988,15 @@ def write_dump(path, *, setting=None, clip, rows, loss=None, normalisation=None,
     fixture's)."""
     from safetensors.torch import save_file
 
-    tensors = {}
-    for i, named in rows.items():
-        tensors.update({f"row{i}.{name}": t.contiguous() for name, t in named.items()})
+    tensors = {f"row{i}.{name}": t for i, named in rows.items() for name, t in named.items()}
     for (k, side), named in (batches or {}).items():
-        tensors.update({f"batch{k}.{side}.{name}": t.contiguous() for name, t in named.items()})
+        tensors.update({f"batch{k}.{side}.{name}": t for name, t in named.items()})
     if loss is not None:
-        loss = float(loss)
+        loss = float(loss)  # a tensor's as its number
     given = {"clip": clip, "setting": setting, "loss": loss, "normalisation": normalisation,
              "micro_batch_size": micro_batch_size, "logits": logits, **declared}
     meta = {key: str(value) for key, value in given.items() if value is not None}
-    save_file(tensors, str(path), metadata=meta)
+    save_file({name: t.contiguous() for name, t in tensors.items()}, str(path), metadata=meta)
 
 
 def read_dump(path):
@@ -1074,13 +1012,12 @@ def read_dump(path):
                          "'beta' (or a 'form') in its metadata (README.md: the dump).")
     rows, batches = {}, {}
     for name, t in tensors.items():
-        head, _, field = name.partition(".")
-        if head.startswith("row") and head[3:].isdigit() and field in ROW_TENSORS:
-            rows.setdefault(int(head[3:]), {})[field] = t
-        elif head.startswith("batch") and head[5:].isdigit() and field.split(".")[0] in SIDES \
-                and field.split(".", 1)[-1] in BATCH_TENSORS:
-            side, tensor = field.split(".", 1)
-            batches.setdefault((int(head[5:]), side), {})[tensor] = t
+        row = re.fullmatch(r"row(\d+)\.(.+)", name)
+        batch = re.fullmatch(r"batch(\d+)\.(student|teacher)\.(.+)", name)
+        if row and row[2] in ROW_TENSORS:
+            rows.setdefault(int(row[1]), {})[row[2]] = t
+        elif batch and batch[3] in BATCH_TENSORS:
+            batches.setdefault((int(batch[1]), batch[2]), {})[batch[3]] = t
         else:
             raise SystemExit(f"verify.py: {path} holds {name!r}, which is no tensor of a dump "
                              "(README.md).")
@@ -1113,8 +1050,6 @@ def read_dump(path):
 # -----------------------------------------------------------------------------
 # The checks
 
-PADDED = "(prompts padded on the right, answers after the pads, logits taken from the " \
-    "micro-batch's prompt length)"
 TOP_K = {"renormalised": "both sides' probabilities renormalised over them",
          "tail": "and one more entry holding the rest of each side's mass",
          "both-raw": "both sides' log-probs used as they are (their sums below 1)",
@@ -1141,7 +1076,8 @@ CAUSES = {
     "skip:ignored": "the first answer positions are not left out of the loss (--skip-first-tokens)",
     "skip:counted": "the left-out first positions still count in the loss's denominator",
     **{f"pad-first:{side}": f"the first answer position of each row whose {side} prompt is shorter "
-       f"than its micro-batch's longest is predicted from a pad's hidden state {PADDED}"
+       f"than its micro-batch's longest is predicted from a pad's hidden state (prompts padded on "
+       "the right, answers after the pads, logits taken from the micro-batch's prompt length)"
        for side in SIDES},
     "pad-first:either": "the first answer position of rows whose prompts are shorter than their "
                         "micro-batch's longest on both sides is predicted from a pad's hidden "
@@ -1198,7 +1134,7 @@ class Check(NamedTuple):
     name: str
     status: str  # "matches", "differs" or "not checked"
     lines: list
-    causes: list  # keys of CAUSES
+    causes: list = []  # keys of CAUSES
     notes: dict = {}  # {cause: what the numbers say of it, e.g. the k of a top-k divergence}
     found: str | None = None  # what the check identified the peer computes, with the residual
     # {cause: (the loss with the departures found, the loss with that one alone undone)}, each the
@@ -1233,8 +1169,8 @@ def side_causes(kind, side):
 
 class Reading(NamedTuple):
     """What diagnose reads: its lines and causes, whether every position is explained, the
-    hypothesis that explains most, and {cause: {row: (L,) bool}} the positions each cause explains
-    (None: the positions nothing explains)."""
+    hypothesis that explains most, and {cause: {row: (L,) bool}} the positions each cause
+    explains."""
     lines: list
     causes: list
     explained: bool
@@ -1242,7 +1178,7 @@ class Reading(NamedTuple):
     positions: dict
 
 
-def diagnose(hypotheses, errors, matched, lengths, shorter):
+def diagnose(hypotheses, errors, matched, shorter):
     """Reading of a comparison, explained False where positions are left that nothing names.
     hypotheses: {name: [its causes]}, the first the fixture's (no cause); errors, matched: {name:
     {row: (L,)}}, each position's distance to the hypothesis and whether it lies within the
@@ -1255,23 +1191,24 @@ def diagnose(hypotheses, errors, matched, lengths, shorter):
       - every position of some rows, on one side: that side's prompt."""
     asked = next(iter(hypotheses))
     rows = sorted(errors[asked])
-    total = sum(lengths[r] for r in rows)
+    total = sum(len(errors[asked][r]) for r in rows)
     count = {h: sum(int(matched[h][r].sum()) for r in rows) for h in hypotheses}
     if count[asked] == total:
-        largest = max_error(errors[asked])
-        lines = [f"all {total} positions match (largest difference {largest:.1e})"]
-        return Reading(lines, [], True, asked, {})
+        return Reading([f"all {total} positions match (largest difference "
+                        f"{max_error(errors[asked]):.1e})"], [], True, asked, {})
     best = max(hypotheses, key=lambda h: (count[h], h == asked))
-    lines, causes = [f"{count[asked]} of {total} positions match"], []
-    positions = {}
+    lines, causes, positions = [f"{count[asked]} of {total} positions match"], [], {}
+
+    def name(found, at):  # the causes found, each explaining the positions `at`
+        causes.extend(found)
+        positions.update(dict.fromkeys(found, at))
+
     if best != asked:
         lines.append(f"{count[best]} of {total} positions match {best}")
-        causes += hypotheses[best]
-        for cause in hypotheses[best]:
-            positions[cause] = {r: matched[best][r].clone() for r in rows}
+        name(hypotheses[best], {r: matched[best][r] for r in rows})
     err = errors[best]
     left = {r: ~matched[best][r] for r in rows}  # what the best hypothesis leaves unexplained
-    rest = lambda r: float(err[r][1:].max()) if lengths[r] > 1 else 0.0  # noqa: E731
+    rest = lambda r: float(err[r][1:].max()) if len(err[r]) > 1 else 0.0  # noqa: E731
     pad_first = {r for r in rows if left[r][0] and err[r][0] > PAD_FIRST_RATIO * rest(r)}
     where = side_of(pad_first, shorter) if pad_first else None
     if where:
@@ -1282,35 +1219,29 @@ def diagnose(hypotheses, errors, matched, lengths, shorter):
         lines.append(f"the first position of {span(pad_first)}{of} differs from {against} by up to "
                      f"{max(float(err[r][0]) for r in pad_first):.3g}, their other positions by at "
                      f"most {max(rest(r) for r in pad_first):.1e}")
-        for cause in side_causes("pad-first", where):
-            causes.append(cause)
-            positions[cause] = {r: torch.arange(lengths[r]) == 0 for r in pad_first}
+        firsts = {r: torch.arange(len(err[r])) == 0 for r in pad_first}
+        name(side_causes("pad-first", where), firsts)
         for r in pad_first:
             left[r][0] = False
-    drift = {r for r in rows if left[r].any()}
-    if not drift:
-        return Reading(lines, causes, True, best, positions)
-    drifting = {r: left[r].clone() for r in drift}
-    n = sum(int(left[r].sum()) for r in drift)
-    largest = max(float(err[r][left[r]].max()) for r in drift)
-    where = side_of(drift, shorter)
-    if where:
-        lines.append(f"{n} positions of {span(drift)}, every one a row with a shorter prompt than "
-                     f"its micro-batch's longest, differ (by up to {largest:.1e})")
-        for cause in side_causes("position-ids", where):
-            causes.append(cause)
-            positions[cause] = drifting
-        return Reading(lines, causes, True, best, positions)
-    if len(shorter) == 1 and all(left[r].all() for r in drift):
-        lines.append(f"every position of {span(drift)} differs (by up to {largest:.3g})")
-        causes.append(f"prompt:{next(iter(shorter))}")
-        positions[causes[-1]] = drifting
-        return Reading(lines, causes, True, best, positions)
-    worst = max((float(err[r][j]), r, j) for r in drift for j in range(lengths[r]) if left[r][j])
-    lines.append(f"{n} positions of {span(drift)} differ; the largest difference, {worst[0]:.3g}, "
-                 f"at row {worst[1]} position {worst[2]}")
-    positions[None] = drifting
-    return Reading(lines, causes, False, best, positions)
+    drift = {r: left[r] for r in rows if left[r].any()}
+    if drift:
+        n = sum(int(left[r].sum()) for r in drift)
+        largest = max(float(err[r][left[r]].max()) for r in drift)
+        where = side_of(set(drift), shorter)
+        if where:
+            lines.append(f"{n} positions of {span(drift)}, every one a row with a shorter prompt "
+                         f"than its micro-batch's longest, differ (by up to {largest:.1e})")
+            name(side_causes("position-ids", where), drift)
+        elif len(shorter) == 1 and all(left[r].all() for r in drift):
+            lines.append(f"every position of {span(drift)} differs (by up to {largest:.3g})")
+            name([f"prompt:{next(iter(shorter))}"], drift)
+        else:
+            worst = max((float(err[r][j]), r, j) for r in drift for j in range(len(err[r]))
+                        if left[r][j])
+            lines.append(f"{n} positions of {span(drift)} differ; the largest difference, "
+                         f"{worst[0]:.3g}, at row {worst[1]} position {worst[2]}")
+            return Reading(lines, causes, False, best, positions)
+    return Reading(lines, causes, True, best, positions)
 
 
 def max_error(per_row):
@@ -1331,8 +1262,7 @@ def side_numbers(dump, side):
     return None, {}
 
 
-def compare_side(ref, dump, side, declared, size, divided=False, inferred=False, own_prompts=False,
-                 skip=0):
+def compare_side(ref, dump, side, declared, size, divided, inferred, own_prompts, skip):
     """Check: the side's log-probs (or logits: raw, or already divided by the temperature when
     `divided`; `inferred`: the form read from the numbers, the dump not saying; or the sampled
     token's log-probs) at every answer position, against the reference's; the temperature they are
@@ -1345,7 +1275,7 @@ def compare_side(ref, dump, side, declared, size, divided=False, inferred=False,
     if key is None:
         return Check(name, "not checked",
                      [f"the dump holds no {side}_logprobs (nor {side}_logits, nor "
-                      f"{side}_token_logprobs) for every row"], [])
+                      f"{side}_token_logprobs) for every row"])
     T = getattr(declared, f"{side}_t")
     logits = key.endswith("_logits")
     token = key.endswith("_token_logprobs")
@@ -1360,45 +1290,52 @@ def compare_side(ref, dump, side, declared, size, divided=False, inferred=False,
     for row, v in sorted(numbers.items()):
         want = None
         if row < len(ref.rows):
-            want = (ref.lengths[row], ref.logits[side][row].shape[-1])
+            want = tuple(ref.logits[side][row][1:-1].shape)  # (L, V): the answer positions
             if token:
-                want = (ref.lengths[row],)
+                want = want[:1]
             if ids:
                 want = tuple(ids[row].shape)
-        if tuple(v.shape) != want:
+        if v.shape != want:
             lines.append(f"row {row}: shape {tuple(v.shape)}, the fixture's "
                          f"{want or 'has no such row'}")
             continue
         x[row] = torch.log_softmax(v, -1) if logits else v
     if lines:
-        return Check(name, "differs", lines, [])
+        return Check(name, "differs", lines)
 
-    def errors(temperature, offset=0, padded=None, source=None):
+    picks = ids  # the columns compared: the teacher's top K ids, the sampled token or all
+    if token:
+        picks = {row: torch.tensor(ref.rows[row]["completion_ids"])[:, None] for row in x}
+
+    # the reference's log-probs of a row: the fixture's, or at another temperature (times `scale`),
+    # positions shifted by `offset`, position ids counted over the pads of micro-batches of
+    # `padded` rows, or the `source` side's numbers
+    def reference(row, temperature=expected, offset=0, padded=None, source=None, scale=1.0):
+        return ref.log_probs(source or side, row, temperature * scale, offset, padded)
+
+    def errors(*args, **kw):  # each row's distances to reference(...)
         out = {}
         for row, v in x.items():
-            want = ref.log_probs(source or side, row, temperature, offset, padded)
-            if token:
-                y = torch.tensor(ref.rows[row]["completion_ids"])
-                out[row] = (v - want.gather(-1, y[:, None])[:, 0]).abs()
-            elif ids:
-                out[row] = (v - want.gather(-1, ids[row])).abs().amax(-1)
-            else:
-                out[row] = (v - want).abs().amax(-1)
+            want = reference(row, *args, **kw)
+            if picks:
+                want = want.gather(-1, picks[row])
+            out[row] = (v.view(len(want), -1) - want).abs().amax(-1)
         return out
 
-    def count(temperature, offset):
-        return sum(int((e <= TOL_LOGPROB).sum()) for e in errors(temperature, offset).values())
+    def count(*args, **kw):  # the positions within the tolerance
+        return sum(int((e <= TOL_LOGPROB).sum()) for e in errors(*args, **kw).values())
 
     total = sum(ref.lengths[r] for r in x)
-    # name: (errors' arguments, causes); the temperature fitted at each alignment of the positions,
-    # so that one at the positions a shift puts them is not read at the unshifted ones
-    hypotheses = {"the fixture": ({"temperature": expected}, [])}
+    # name: (reference's arguments, {cause: the argument it sets}); the temperature fitted at each
+    # alignment of the positions, so that one at the positions a shift puts them is not read at the
+    # unshifted ones
+    hypotheses = {"the fixture": ({}, {})}
     notes, fits = {}, {}
     for offset in (0, 1, -1):
-        shift, where = [], ""
+        shift, where = {}, ""
         if offset:
-            shift, where = [f"shift:{offset:+d}"], f"positions shifted by {offset:+d}"
-            hypotheses[where] = ({"temperature": expected, "offset": offset}, shift)
+            shift, where = {f"shift:{offset:+d}": "offset"}, f"positions shifted by {offset:+d}"
+            hypotheses[where] = ({"offset": offset}, shift)
         fitted = minimise(lambda t: sum(float(e.sum()) for e in errors(t, offset).values()),
                           *TEMPERATURES, log=True)
         fits[offset] = fitted
@@ -1411,37 +1348,69 @@ def compare_side(ref, dump, side, declared, size, divided=False, inferred=False,
             cause, label, note = "logits:divided", f"logits divided by {fitted:.4g}", \
                 f"by {fitted:.4g}"
         label = ", ".join(filter(None, [label, where]))
-        hypotheses[label] = ({"temperature": fitted, "offset": offset}, [cause] + shift)
+        hypotheses[label] = ({"temperature": fitted, "offset": offset},
+                             {cause: "temperature", **shift})
         notes[label] = {cause: note}
-    hypotheses["position ids counted over the pads"] = ({"temperature": expected, "padded": size},
-                                                        [f"position-ids:{side}"])
-    if side == "teacher":
-        hypotheses["the student's log-probs"] = ({"temperature": expected, "source": "student"},
-                                                 ["prompt:teacher=student"])
+    hypotheses["position ids counted over the pads"] = ({"padded": size},
+                                                        {f"position-ids:{side}": "padded"})
+    student_like = "the student's log-probs"
+    # named only where the teacher's numbers are mostly the student's
+    if side == "teacher" and count(source="student") > total // 2:
+        hypotheses[student_like] = ({"source": "student"}, {"prompt:teacher=student": "source"})
     errs = {h: errors(**kw) for h, (kw, _) in hypotheses.items()}
     matched = {h: {r: e <= TOL_LOGPROB for r, e in errs[h].items()} for h in hypotheses}
-    student_like = "the student's log-probs"
-    if student_like in hypotheses and sum(int(m.sum()) for m in matched[student_like].values()) \
-            <= total // 2:  # named only where the teacher's numbers are mostly the student's
-        del hypotheses[student_like], errs[student_like], matched[student_like]
-    reading = diagnose({h: c for h, (_, c) in hypotheses.items()}, errs, matched, ref.lengths,
+    reading = diagnose({h: list(c) for h, (_, c) in hypotheses.items()}, errs, matched,
                        {side: ref.shorter(side, size)})
     found, causes = reading.lines, reading.causes
     if not reading.explained:  # a hypothesis that explains some positions only is no verified cause
         causes = []
         found.append("no hypothesis tried explains every position: nothing is named")
-    offset = hypotheses[reading.best][0].get("offset", 0)
-    at, fitted = hypotheses[reading.best][0]["temperature"], fits[offset]
+    best, sets = hypotheses[reading.best]  # reference's arguments, {cause: the argument it sets}
+    offset = best.get("offset", 0)
+    at, fitted = best.get("temperature", expected), fits[offset]
     notes = notes.get(reading.best, {})
     sizes = {}
     if causes:
+        # each cause's size: the step's token mean under the declared configuration from these
+        # log-probs (the reference's under the best hypothesis, where they are a sampled token's or
+        # a top K's) and the other side's reference, against the same with the positions the cause
+        # explains replaced by the reference's without it: the argument it sets put back to the
+        # fixture's
         scale = 1.0
         if raw:
-            scale = T  # raw logits' log-probs at the loss temperature
-        own = None
-        if not token and not ids:
+            scale = T  # the hypotheses' temperatures are this many times the loss temperature's
+        if token or ids:  # a sampled token's or a top K's: the reference's under the best one
+            rows = list(range(len(ref.rows)))
+            own = {row: reference(row, **best, scale=scale) for row in rows}
+        else:
+            rows = sorted(x)
             own = {row: torch.log_softmax(v / scale, -1) for row, v in x.items()}
-        sizes = side_sizes(ref, side, declared, skip, own, hypotheses, reading, scale)
+        y = torch.cat([torch.tensor(ref.rows[row]["completion_ids"]) for row in rows])
+        kept = torch.cat([torch.arange(ref.lengths[row]) >= skip for row in rows])
+
+        def loss(log_p, offset):  # the other side's log-probs at the same positions as these
+            pair = reference_numbers(ref, rows, offset=offset)
+            pair[side] = Numbers(logprobs=torch.cat([log_p[row] for row in rows]))
+            values = config_values(declared, pair, y)
+            return float(values[kept].sum()) / max(int(kept.sum()), 1)
+
+        with_it = loss(own, offset)
+        for cause in causes:
+            arguments = dict(best)
+            if cause in sets:  # the argument it sets back at the fixture's
+                del arguments[sets[cause]]
+            undone = dict(own)
+            for row, positions in reading.positions[cause].items():
+                without = reference(row, **arguments, scale=scale)
+                undone[row] = torch.where(positions[:, None], without, own[row])
+            # a shift moves both sides' positions: undone on both
+            sizes[cause] = (with_it, loss(undone, arguments.get("offset", 0)))
+    unit = f"log-probs at temperature {T:g}"
+    if token:
+        unit = f"the sampled token's {unit}"
+    if ids:
+        K = next(iter(ids.values())).shape[-1]
+        unit = f"log-probs at the teacher's top {K} ids at temperature {T:g}"
     if logits:
         unit = "raw logits (before the temperature, which cannot be seen in them)"
         if divided:
@@ -1449,88 +1418,25 @@ def compare_side(ref, dump, side, declared, size, divided=False, inferred=False,
         if inferred and T != 1.0:
             unit += " (read from the numbers: say which in the dump's metadata logits)"
         unit += ", log-softmaxed"
-    elif token:
-        unit = f"the sampled token's log-probs at temperature {T:g}"
-    elif ids:
-        K = next(iter(ids.values())).shape[-1]
-        unit = f"log-probs at the teacher's top {K} ids at temperature {T:g}"
-    else:
-        unit = f"log-probs at temperature {T:g}"
     if own_prompts:
         unit += ", against your own prompt ids"
-    ok = not causes and found[0].startswith("all")
+    ok = found[0].startswith("all")  # every position matches the fixture's: no cause
     head = f"{unit}, |delta log p| within {TOL_LOGPROB:g}: {found[0]}"
     if ids and side == "teacher":
         found.append(top_ids_line(ref, ids, at))
     residual = f"|delta log p| up to {max_error(errs[reading.best]):.1e}"
-    identified = f"{side}: log-probs at T {at:.4g} (fitted: {fitted:.4g}), {residual}"
+    identified = f"log-probs at T {at:.4g} (fitted: {fitted:.4g}), {residual}"
     if raw:
-        identified = f"{side}: logits divided by {at:.4g}, {residual}"
+        identified = f"logits divided by {at:.4g}, {residual}"
     if raw and at == expected:
-        identified = f"{side}: raw logits (the temperature is not in them; the divergence shows it)"
+        identified = "raw logits (the temperature is not in them; the divergence shows it)"
     if reading.best == student_like:
-        identified = f"{side}: the student's log-probs (the teacher given the student's prompt), " \
-                     f"{residual}"
+        identified = f"the student's log-probs (the teacher given the student's prompt), {residual}"
     if not reading.explained:
-        identified = f"{side}: no hypothesis tried explains every position (|delta log p| up to " \
+        identified = "no hypothesis tried explains every position (|delta log p| up to " \
                      f"{max_error(errs['the fixture']):.1e} from the declared)"
-    return Check(name, "matches" if ok else "differs", [head, *found[1:]], causes,
-                 {c: n for c, n in notes.items() if c in causes}, identified, sizes)
-
-
-# a cause's kind: the argument of compare_side's errors that it sets
-UNDO = {"temperature": "temperature", "logits": "temperature", "shift": "offset",
-        "position-ids": "padded", "prompt": "source"}
-
-
-def side_sizes(ref, side, declared, skip, own, hypotheses, reading, scale):
-    """{cause: (with, undone)} of a side's causes (compare_side): the step's token mean under the
-    declared configuration from this side's log-probs `own` ({row: (L, V)} at the loss temperature;
-    None: the reference's under the best hypothesis) and the other side's reference, against the
-    same with the positions each cause explains replaced by the reference's without that cause.
-    scale:
-    the hypotheses' temperatures are this many times the loss temperature's (raw logits: 1 / T)."""
-    other = SIDES[1 - SIDES.index(side)]
-    best = hypotheses[reading.best][0]
-    rows = list(range(len(ref.rows)))
-    if own is not None:
-        rows = sorted(own)
-
-    def reference(row, arguments):
-        kw = {"temperature": arguments["temperature"] * scale, "offset": arguments.get("offset", 0),
-              "padded": arguments.get("padded")}
-        return ref.log_probs(arguments.get("source") or side, row, **kw)
-
-    def loss(log_p, offset):  # the other side's log-probs at the same positions as this side's
-        mine = torch.cat([log_p[row] for row in rows])
-        theirs = torch.cat([ref.log_probs(other, row, getattr(declared, f"{other}_t"), offset)
-                            for row in rows])
-        pair = {side: Numbers(logprobs=mine), other: Numbers(logprobs=theirs)}
-        y = torch.cat([torch.tensor(ref.rows[row]["completion_ids"]) for row in rows])
-        values = config_values(declared, pair["student"], pair["teacher"], y)
-        kept = torch.cat([torch.arange(ref.lengths[row]) >= skip for row in rows])
-        return float(values[kept].sum()) / max(int(kept.sum()), 1)
-
-    if own is None:
-        own = {row: reference(row, best) for row in rows}
-    offset = best.get("offset", 0)
-    with_it = loss(own, offset)
-    sizes = {}
-    for cause in reading.causes:
-        arguments = dict(best)
-        shift = offset
-        if cause.startswith("shift"):  # a shift moves both sides' positions: undone on both
-            shift = 0
-        if cause in hypotheses[reading.best][1]:
-            undo = UNDO[cause.split(":")[0]]
-            arguments[undo] = {"temperature": hypotheses[next(iter(hypotheses))][0]["temperature"],
-                               "offset": 0, "padded": None, "source": None}[undo]
-        undone = dict(own)
-        for row, at in reading.positions.get(cause, {}).items():
-            undone[row] = own[row].clone()
-            undone[row][at] = reference(row, arguments)[at]
-        sizes[cause] = (with_it, loss(undone, shift))
-    return sizes
+    return Check(name, "matches" if ok else "differs", [head, *found[1:]], causes, notes,
+                 f"{side}: {identified}", sizes)
 
 
 def top_ids_line(ref, ids, temperature):
@@ -1559,28 +1465,30 @@ def logits_form(ref, dump, T):
                                                     for t in dump.rows.values())]
     if T == 1.0 or not sides:
         return False, False
-    count = {}
-    for t in (1.0, T):
-        count[t] = 0
+    count = {1.0: 0, T: 0}  # {temperature: the positions matched}
+    for t in count:
         for side in sides:
             for row, tensors in dump.rows.items():
-                x = tensors[f"{side}_logits"].double()
-                if row < len(ref.rows) and tuple(x.shape) == (ref.lengths[row],
-                                                              ref.logits[side][row].shape[-1]):
-                    e = (torch.log_softmax(x, -1) - ref.log_probs(side, row, t)).abs().amax(-1)
+                x = torch.log_softmax(tensors[f"{side}_logits"].double(), -1)
+                # the reference's answer positions (row_logits)
+                if row < len(ref.rows) and x.shape == ref.logits[side][row][1:-1].shape:
+                    e = (x - ref.log_probs(side, row, t)).abs().amax(-1)
                     count[t] += int((e <= TOL_LOGPROB).sum())
     return count[T] >= count[1.0] and count[T] > 0, True
 
 
-def own_numbers(dump, rows, divided, sides=SIDES):
+def joined(dump, rows, name):
+    """The tensors `name` of `rows`, in float64, concatenated; None where a row lacks it."""
+    if not rows or not all(name in dump.rows.get(r, {}) for r in rows):
+        return None
+    return torch.cat([dump.rows[r][name].double() for r in rows])
+
+
+def own_numbers(dump, rows, divided, sides=SIDES, ratio=None):
     """{side: Numbers} of the dump's own numbers over `rows`, concatenated (raw logits keep their
     temperature a parameter; log-probs at the teacher's top K ids keep the sampled token's too), or
-    None if one of `sides` has none."""
-    def joined(name):
-        if not all(name in dump.rows.get(r, {}) for r in rows):
-            return None
-        return torch.cat([dump.rows[r][name].double() for r in rows])
-
+    None if one of `sides` has none; ratio: the student's log importance ratio
+    (importance_ratio)."""
     out = {}
     for side in sides:
         key, numbers = side_numbers(dump, side)
@@ -1590,14 +1498,15 @@ def own_numbers(dump, rows, divided, sides=SIDES):
         if key.endswith("_token_logprobs"):
             out[side] = Numbers(token=x)
         elif key.endswith("_topk_logprobs"):
-            ids = torch.cat([dump.rows[r]["teacher_topk_ids"].long() for r in rows])
-            out[side] = Numbers(logprobs=x, ids=ids, token=joined(f"{side}_token_logprobs"))
+            ids, token = joined(dump, rows, "teacher_topk_ids"), f"{side}_token_logprobs"
+            out[side] = Numbers(logprobs=x, ids=ids.long(), token=joined(dump, rows, token))
         elif key.endswith("_logits") and not divided:
             out[side] = Numbers(logits=x)
         elif key.endswith("_logits"):
             out[side] = Numbers(logprobs=torch.log_softmax(x, -1))
         else:
             out[side] = Numbers(logprobs=x)
+    out["student"].ratio = ratio
     return out
 
 
@@ -1605,7 +1514,8 @@ def importance_ratio(dump, rows, y, temperature, divided):
     """(N,) the log of the importance ratio p_S(y) / p_sampler(y) over `rows`, from the dump's own
     numbers alone: the sampler's log-probs against the student's the dump holds, which are of the
     same prompt (the peer's), whatever the fixture's; None where the dump lacks either."""
-    if not rows or not all("sampler_token_logprobs" in dump.rows.get(r, {}) for r in rows):
+    sampler = joined(dump, rows, "sampler_token_logprobs")
+    if sampler is None:
         return None
     own = own_numbers(dump, rows, divided, ("student",))
     if own is None:
@@ -1613,75 +1523,68 @@ def importance_ratio(dump, rows, y, temperature, divided):
     a = own["student"].of_token(temperature, y)
     if a.isnan().any():
         return None
-    return a - torch.cat([dump.rows[r]["sampler_token_logprobs"].double() for r in rows])
+    return a - sampler
 
 
-def reference_numbers(ref, rows, offset=0, padded=(), size=None):
+def reference_numbers(ref, rows, ratio=None, offset=0, padded=(), size=None):
     """{side: Numbers} of the reference's raw logits over `rows`, concatenated (positions shifted by
     `offset`; `padded`: the sides whose answers sit at position ids counted over the pads of
-    micro-batches of `size`)."""
+    micro-batches of `size`), the student's with the log importance ratio `ratio`."""
     out = {}
     for side in SIDES:
         logits = ref.logits[side] if side not in padded else ref.padded_logits(side, size)
         out[side] = Numbers(logits=torch.cat([logits[r][1 + offset:1 + offset + ref.lengths[r]]
                                               for r in rows]))
+    out["student"].ratio = ratio
     return out
 
 
+STRUCTURE = "support by k tail raw form weights clamp"
 REVERTS = {  # a cause's kind: the Config fields that undoing it puts back to the declared ones
-    "temperature": ("student_t", "teacher_t"), "beta": ("beta",), "tau": ("tau",),
-    "clip": ("clip", "tau"), "clamp": ("clamp",), "form": ("weights", "beta"),
-    "top-k": ("support", "by", "k", "tail", "raw", "clamp"),
-    "support": ("support", "by", "k", "tail", "raw", "form", "weights", "clamp"),
-    "sampled-token": ("support", "by", "k", "tail", "raw", "form", "weights", "clamp"),
-    "scale": ("scale",), "term": ("scale", "nll"),
-}
+    "temperature": "student_t teacher_t", "beta": "beta", "tau": "tau", "clip": "clip tau",
+    "clamp": "clamp", "form": "weights beta", "top-k": "support by k tail raw clamp",
+    "support": STRUCTURE, "sampled-token": STRUCTURE, "scale": "scale", "term": "scale nll"}
 
 
 def undone(c, cause, declared):
     """c with the departure `cause` alone put back to the declared configuration."""
     fields = REVERTS[cause.split(":")[0]]
     if cause in ("temperature:student", "temperature:teacher"):
-        fields = (f"{cause.split(':')[1]}_t",)
+        fields = f"{cause.split(':')[1]}_t"
     if cause.startswith("top-k") and declared.support == "sampled-token":
-        fields = REVERTS["support"]
-    return c._replace(**{name: getattr(declared, name) for name in fields})
+        fields = STRUCTURE
+    return c._replace(**{name: getattr(declared, name) for name in fields.split()})
 
 
-def near_zero(peer, values, kept):
-    """How many of the kept positions match only because both values lie within the absolute
-    tolerance of zero (they say nothing of the form)."""
+def zero_note(peer, values, kept):
+    """A note of how many of the kept positions match only because both values lie within the
+    absolute tolerance of zero (they say nothing of the form); "" where none do."""
     both = (peer.abs() <= TOL_DIVERGENCE[0]) & (values.abs() <= TOL_DIVERGENCE[0])
-    return int((both & close(peer, values) & kept).sum())
-
-
-def zero_note(zeros):
+    zeros = int((both & close(peer, values) & kept).sum())
     if not zeros:
         return ""
     return f" ({zeros} of them only because both values lie within {TOL_DIVERGENCE[0]:g} of zero)"
 
 
 def allowance(own):
-    """A sentence on what a dump of the teacher's top K ids alone allows and cannot show, or
-    None."""
+    """[a sentence on what a dump of the teacher's top K ids alone allows and cannot show], or []
+    for other numbers."""
     if not own["teacher"].sparse:
-        return None
+        return []
     K = own["teacher"].ids.shape[-1]
     if own["student"].sparse:
-        return f"from the teacher's top {K} and the student's log-probs at those ids, the kit " \
-               f"fits the forms over a top k of the teacher (k up to {K}) and the sampled token " \
-               "where it is among them; these numbers cannot show a value over the whole " \
-               f"vocabulary, the mass outside the {K} entries, nor a top k of the student"
-    return f"from the teacher's top {K} and the student's sampled-token log-probs, the kit fits " \
-           "the sampled token's forms where it is among them; these numbers cannot show any " \
-           "value over several entries (dump the student's log-probs at the teacher's ids)"
+        return [f"from the teacher's top {K} and the student's log-probs at those ids, the kit "
+                f"fits the forms over a top k of the teacher (k up to {K}) and the sampled token "
+                "where it is among them; these numbers cannot show a value over the whole "
+                f"vocabulary, the mass outside the {K} entries, nor a top k of the student"]
+    return [f"from the teacher's top {K} and the student's sampled-token log-probs, the kit fits "
+            "the sampled token's forms where it is among them; these numbers cannot show any "
+            "value over several entries (dump the student's log-probs at the teacher's ids)"]
 
 
 def equal_sides(own, declared, y):
     """Whether both sides' own numbers are equal within the log-probs' tolerance (at the sampled
     token where that is all a side holds)."""
-    if own is None:
-        return False
     if own["student"].full and own["teacher"].full:
         pair = [own[side].log_probs(getattr(declared, f"{side}_t")) for side in SIDES]
     else:
@@ -1689,8 +1592,7 @@ def equal_sides(own, declared, y):
     return bool(((pair[0] - pair[1]).abs() <= TOL_LOGPROB).all())
 
 
-def compare_divergence(ref, dump, declared, skip, size, divided=False, own_prompts=False,
-                       ratio=None):
+def compare_divergence(ref, dump, declared, skip, size, divided, own_prompts, ratio):
     """(Check, the peer's per-position values {row: (L,)} or None): the per-position values, against
     the reference's under the declared configuration; what configuration explains them, fitted to
     the peer's own log-probs when it dumped them, else to the reference's (with the positions
@@ -1701,18 +1603,14 @@ def compare_divergence(ref, dump, declared, skip, size, divided=False, own_promp
     information (all within the tolerance of 0, or from two equal sides) are fitted to nothing."""
     name = "divergence"
     if not dump.rows or not all("divergence" in t for t in dump.rows.values()):
-        return Check(name, "not checked", ["the dump holds no divergence for every row"], []), None
+        return Check(name, "not checked", ["the dump holds no divergence for every row"]), None
     peer = {r: t["divergence"].double() for r, t in dump.rows.items()}
-    bad = [r for r in peer if r >= len(ref.rows) or peer[r].shape != (ref.lengths[r],)]
+    fixture = dict(enumerate(ref.lengths))  # {row: its answer's positions}
+    bad = [r for r in peer if peer[r].shape != (fixture.get(r),)]
     if bad:
-        lines = []
-        for r in bad[:5]:
-            length = "no such row"
-            if r < len(ref.rows):
-                length = ref.lengths[r]
-            lines.append(f"row {r}: {tuple(peer[r].shape)} values, the fixture's answer has "
-                         f"{length} positions")
-        return Check(name, "differs", lines, []), None
+        return Check(name, "differs", [f"row {r}: {tuple(peer[r].shape)} values, the fixture's "
+                                       f"answer has {fixture.get(r, 'no such row')} positions"
+                                       for r in bad[:5]]), None
     rows = sorted(peer)
     lengths = [ref.lengths[r] for r in rows]
     y = torch.cat([torch.tensor(ref.rows[r]["completion_ids"]) for r in rows])
@@ -1720,16 +1618,14 @@ def compare_divergence(ref, dump, declared, skip, size, divided=False, own_promp
     kept = torch.cat([torch.arange(n) >= skip for n in lengths])
     total = int(kept.sum())
 
-    def per_row(values):
-        return dict(zip(rows, values.split(lengths)))
+    def per_row(values):  # {row: its values at the positions in the loss}, views of `values`
+        return {r: v[skip:] for r, v in zip(rows, values.split(lengths))}
 
     def step(values):  # the step's token mean over the positions in the loss
         return float(values[kept].sum()) / max(total, 1)
 
-    def fixture_values(**kw):
-        numbers = reference_numbers(ref, rows, **kw)
-        numbers["student"].ratio = ratio
-        return config_values(declared, numbers["student"], numbers["teacher"], y, P, TOL_LOGPROB)
+    def fixture_values(c=declared, **kw):  # c's values from the reference's logits
+        return config_values(c, reference_numbers(ref, rows, ratio, **kw), y, P, TOL_LOGPROB)
 
     asked = fixture_values()
     n = int((close(P, asked) & kept).sum())
@@ -1739,158 +1635,144 @@ def compare_divergence(ref, dump, declared, skip, size, divided=False, own_promp
     head = f"{describe(declared)}: {n} of {total} positions within {TOL_DIVERGENCE[0]:g} + " \
            f"{TOL_DIVERGENCE[1]:g} x |value| of {against}"
     if n < total:
-        head += zero_note(near_zero(P, asked, kept))
+        head += zero_note(P, asked, kept)
     if skip:
         head += f" (positions {skip} on; the first {skip} are left out of the loss)"
-    largest = float(((P - asked).abs() * kept).max())
+    def largest(values):  # the largest difference from the peer's at the positions in the loss
+        return float(((P - values).abs() * kept).max())
+
     if n == total:
-        return Check(name, "matches", [head + f" (largest difference {largest:.1e})"], [],
+        return Check(name, "matches", [head + f" (largest difference {largest(asked):.1e})"],
                      found=f"the value: {kind_of(declared)}, {describe(declared)} (as declared), "
                            f"all {total} positions within tolerance (largest difference "
-                           f"{largest:.1e})"), peer
+                           f"{largest(asked):.1e})"), peer
     unexplained = (step(P), step(torch.where(close(P, asked), P, asked)))
-    own = own_numbers(dump, rows, divided)
+
+    def unexplained_check(lines):  # no configuration tried explains the values: the rest sized
+        return Check(name, "differs", lines, ["value:unexplained"], {},
+                     "the value: no configuration tried explains it",
+                     {"value:unexplained": unexplained}), peer
+
+    def nearest(fit, count, c, said):  # a line on the nearest, where it is near enough to help
+        values = fit.values(c)
+        # values all near zero match whatever lies near zero (the peer's do not: `silent` below)
+        if count < HINT_SHARE * total or (values[kept].abs() <= TOL_DIVERGENCE[0]).all():
+            return []
+        return [f"the nearest configuration tried, {said}, matches {count} of {total} positions "
+                f"({count / total:.0%}){zero_note(P, values, kept)}"]
+
+    own = own_numbers(dump, rows, divided, ratio=ratio)
     silent = bool((P[kept].abs() <= TOL_DIVERGENCE[0]).all())
-    if silent or equal_sides(own, declared, y):
-        why = f"every value of yours lies within {TOL_DIVERGENCE[0]:g} of 0"
-        if not silent:
-            why = "your two sides' log-probs are equal"
-        causes = []
+    if silent or own is not None and equal_sides(own, declared, y):
+        why, causes = "your two sides' log-probs are equal", []
         if silent:  # what a teacher given the student's prompt gives
+            why = f"every value of yours lies within {TOL_DIVERGENCE[0]:g} of 0"
             causes = ["prompt:teacher=student"]
         return Check(name, "differs", [head, f"{why}: such values tell no form, beta, support, "
                                              "temperature or scale, and none is fitted"],
-                     causes, found=f"the value: nothing can be told ({why})",
-                     sizes={c: (step(P), step(asked)) for c in causes}), peer
+                     causes, {}, f"the value: nothing can be told ({why})",
+                     {c: (step(P), step(asked)) for c in causes}), peer
     if own is not None:
-        own["student"].ratio = ratio
-        fit = Fit(own["student"], own["teacher"], y, P, kept, declared)
+        fit = Fit(own, y, P, kept, declared)
         count, c, note = fit.identify()
+        full = own["student"].full and own["teacher"].full
         numbers = "sampled-token log-probs"
-        if own["student"].full and own["teacher"].full:
+        if full:
             numbers = "log-probs"
         if own["teacher"].sparse:
             numbers = "top-K log-probs"
         if own["student"].free or own["teacher"].free:
             numbers = "logits"
         said = describe(c, numbers == "logits")
-        allowed = [line for line in [allowance(own)] if line]
+        allowed = allowance(own)
         if count == total:
             causes = differences(c, declared, note)
             values = fit.values(c)
-            largest = float(((P - values).abs() * kept).max())
             lines = [head, f"every position equals {said}, from your {numbers}", *allowed]
             if not causes:
                 lines[1] = "every position is computed as asked from your log-probs, so the " \
                            "differences come from the log-probs (above)"
             sized = own
-            if not (own["student"].full and own["teacher"].full):
+            if not full:
                 sized = reference_numbers(ref, rows)
 
             def loss(config):  # the step's token mean of config's values
-                return step(config_values(config, sized["student"], sized["teacher"], y))
+                return step(config_values(config, sized, y))
 
-            sizes = {cause: (loss(c), loss(undone(c, cause, declared))) for cause, _ in causes}
+            sizes = {cause: (loss(c), loss(undone(c, cause, declared))) for cause in causes}
             found = f"the value: {kind_of(c)}, {said}, from your {numbers}: all {total} " \
-                    f"positions within tolerance{zero_note(near_zero(P, values, kept))} " \
-                    f"(largest difference {largest:.1e})"
-            return Check(name, "differs", lines, [cause for cause, _ in causes], dict(causes),
+                    f"positions within tolerance{zero_note(P, values, kept)} " \
+                    f"(largest difference {largest(values):.1e})"
+            return Check(name, "differs", lines, list(causes), causes,
                          found, sizes), peer
-        lines = [head,
-                 f"no configuration tried explains your values from your own {numbers} within "
-                 "tolerance", *allowed]
-        if count >= HINT_SHARE * total and not fit.degenerate(c):
-            lines.append(f"the nearest, {said}, matches {count} of {total} positions "
-                         f"({count / total:.0%}){zero_note(near_zero(P, fit.values(c), kept))}")
-        return Check(name, "differs", lines, ["value:unexplained"],
-                     found="the value: no configuration tried explains it",
-                     sizes={"value:unexplained": unexplained}), peer
+        return unexplained_check([head, "no configuration tried explains your values from your "
+                                  f"own {numbers} within tolerance", *allowed,
+                                  *nearest(fit, count, c, said)])
     # no numbers of its own: the reference's, under the declared configuration with the positions
     # shifted or counted over pads or the teacher given the student's prompt, then every
-    # configuration fitted
-    hypotheses = {"the fixture": (asked, [])}
+    # configuration fitted. {name: (values, {cause: the values with that cause alone undone})}
+    hypotheses = {"the fixture": (asked, {})}
     for offset in (1, -1):
         hypotheses[f"positions shifted by {offset:+d}"] = (fixture_values(offset=offset),
-                                                           [f"shift:{offset:+d}"])
+                                                           {f"shift:{offset:+d}": asked})
     for sides in (("student",), ("teacher",), SIDES):
         hypotheses[f"position ids counted over the pads ({' and '.join(sides)})"] = (
-            fixture_values(padded=sides, size=size), [f"position-ids:{s}" for s in sides])
-    student = reference_numbers(ref, rows)["student"]
-    as_student = config_values(declared._replace(teacher_t=declared.student_t), student, student, y)
-    if bool(close(P, as_student)[kept].all()):  # what a teacher shown the student's prompt gives
-        hypotheses["the teacher given the student's prompt"] = (as_student,
-                                                               ["prompt:teacher=student"])
+            fixture_values(padded=sides, size=size),
+            dict.fromkeys([f"position-ids:{s}" for s in sides], asked))
+    student = reference_numbers(ref, rows)["student"]  # the declared temperatures are one T
+    as_student = config_values(declared, dict.fromkeys(SIDES, student), y)
+    if close(P, as_student)[kept].all():  # what a teacher shown the student's prompt gives
+        hypotheses["the teacher given the student's prompt"] = (
+            as_student, {"prompt:teacher=student": asked})
     shorter = {side: ref.shorter(side, size) for side in SIDES}
-    undo = {}  # {hypothesis: {cause: the values with that cause alone undone}}
 
     def read(hypotheses):  # diagnose's reading, over the positions in the loss
         errors, matched = {}, {}
         for h, (v, _) in hypotheses.items():
-            errors[h] = {r: e[skip:] for r, e in per_row((P - v).abs()).items()}
-            matched[h] = {r: m[skip:] for r, m in per_row(close(P, v)).items()}
-        return diagnose({h: c for h, (_, c) in hypotheses.items()}, errors, matched,
-                        {r: max(0, ref.lengths[r] - skip) for r in rows}, shorter)
+            errors[h], matched[h] = per_row((P - v).abs()), per_row(close(P, v))
+        return diagnose({h: list(u) for h, (_, u) in hypotheses.items()}, errors, matched, shorter)
 
     reading = read(hypotheses)
     notes, identified = {}, None
     if not reading.explained:
         found = []  # fitted where a shift puts the positions too; the most positions matched
         for offset in (0, 1, -1):
-            numbers = reference_numbers(ref, rows, offset)
+            numbers = reference_numbers(ref, rows, ratio, offset)
             if offset:  # shifted, at the declared temperatures (not fitted there)
-                numbers = {side: Numbers(logprobs=x.log_probs(getattr(declared, f"{side}_t")))
-                           for side, x in numbers.items()}
-            numbers["student"].ratio = ratio
-            fit = Fit(numbers["student"], numbers["teacher"], y, P, kept, declared, TOL_LOGPROB,
-                      bool(offset))
+                numbers = {side: Numbers(logprobs=x.log_probs(getattr(declared, f"{side}_t")),
+                                         ratio=x.ratio) for side, x in numbers.items()}
+            fit = Fit(numbers, y, P, kept, declared, TOL_LOGPROB, bool(offset))
             found.append((*fit.identify(), offset, fit))
             if found[-1][0] == total:
                 break
         count, c, note, offset, fit = max(found, key=lambda f: f[0])
         if count > total // 2:  # a majority: the positions it leaves are read by their pattern
             changes = differences(c, declared, note)
+            undoing = {cause: fit.values(undone(c, cause, declared)) for cause in changes}
             label = describe(c)
-            trial = dict(hypotheses)
-            undo[label] = {cause: fit.values(undone(c, cause, declared)) for cause, _ in changes}
             if offset:
+                undoing[f"shift:{offset:+d}"] = fixture_values(c)  # c at the unshifted positions
+                changes[f"shift:{offset:+d}"] = None
                 label += f", positions shifted by {offset:+d}"
-                changes.append((f"shift:{offset:+d}", None))
-                unshifted = reference_numbers(ref, rows)
-                unshifted["student"].ratio = ratio
-                undo[label] = {**undo.pop(describe(c)), changes[-1][0]: config_values(
-                    c, unshifted["student"], unshifted["teacher"], y, P, TOL_LOGPROB)}
-            trial[label] = (fit.values(c), [cause for cause, _ in changes])
+            trial = {**hypotheses, label: (fit.values(c), undoing)}
             second = read(trial)
             if second.explained:
-                reading, hypotheses, notes = second, trial, dict(changes)
+                reading, hypotheses, notes = second, trial, changes
                 identified = f"the value: {kind_of(c)}, {label}"
                 if count == total:
                     identified += f": all {total} positions within tolerance"
-        if not reading.explained and count >= HINT_SHARE * total and not fit.degenerate(c):
-            reading.lines.append(f"the nearest configuration tried, {describe(c)}, matches {count} "
-                                 f"of {total} positions ({count / total:.0%})")
-    causes = list(reading.causes)
+        if not reading.explained:
+            reading.lines.extend(nearest(fit, count, c, describe(c)))
     if not reading.explained:  # what explains some positions only is no verified cause
-        reading.lines.append("no configuration tried explains your values within tolerance")
-        identified = "the value: no configuration tried explains it"
-        causes = ["value:unexplained"]
-        hypotheses[reading.best] = (asked, [])
-        reading.positions[None] = {r: ~m[skip:] for r, m in per_row(close(P, asked)).items()}
-    best = hypotheses[reading.best][0]
-    sizes = {}
+        return unexplained_check([head, *reading.lines[1:], "no configuration tried explains your "
+                                  "values within tolerance"])
+    (best, undoing), causes, sizes = hypotheses[reading.best], reading.causes, {}
     for cause in causes:
-        instead = best  # what the positions it explains would be without it
-        if cause in hypotheses[reading.best][1]:
-            instead = undo.get(reading.best, {}).get(cause, asked)
-        at = reading.positions.get(cause)
-        if cause == "value:unexplained":
-            at = reading.positions[None]
+        instead = undoing.get(cause, best)  # what the positions it explains would be without it
         mask = torch.zeros_like(kept)
-        for r, m in at.items():
-            first = sum(lengths[:rows.index(r)])
-            mask[first + skip:first + lengths[rows.index(r)]] = m
+        for r, m in reading.positions[cause].items():
+            per_row(mask)[r][:] = m  # per_row's pieces are views of the mask
         sizes[cause] = (step(P), step(torch.where(mask, instead, P)))
-    notes = {c: t for c, t in notes.items() if c in causes and t}
     return Check(name, "differs", [head, *reading.lines[1:]], causes, notes, identified,
                  sizes), peer
 
@@ -1901,33 +1783,33 @@ def setting_figures(ref, setting):
                                tau=setting["tau"]) for c in CLIPS}
 
 
-def compare_loss(ref, dump, skip, peer_values, source, expected, counts, scored_beyond=False):
-    """Check: the loss, against the expected one; its normalisation from per-position values
-    `peer_values` ({row: (L,)}, from `source`), with the values the dump holds beyond the answers
-    (beyond_divergence) where it holds them; a divisor named only where it is one of `counts`
-    ({what: number}, the counts the dump shows); scored_beyond: the batch check found outputs the
-    loss scores beyond the answers."""
+def compare_loss(dump, size, skip, peer_values, source, expected, counts, scored_beyond):
+    """Check: the loss, against the expected one; its normalisation (micro-batches of `size` rows)
+    from per-position values `peer_values` ({row: (L,)} of every row, from `source`), with the
+    values the dump holds beyond the answers (beyond_divergence) where it holds them; a divisor
+    named only where it is one of `counts` ({what: number}, the counts the dump shows);
+    scored_beyond: the batch check found outputs the loss scores beyond the answers."""
     name = "loss"
     if dump.loss is None:
-        return Check(name, "not checked", ["the dump states no loss"], [])
-    values = [peer_values[r] for r in range(len(ref.rows))]
-    size = dump.micro_batch_size or ref.micro_batch_size
-    kinds = [("the step's token mean", "step", []),
-             (f"the mean of micro-batches' token means ({size} rows each)", "micro-batch",
-              ["normalisation:micro-batch"]),
-             ("the mean of answers' token means", "answer", ["normalisation:answer"]),
-             ("the mean of answers' sums", "row", ["normalisation:row"]),
-             ("the step's sum", "sum", ["normalisation:sum"])]
+        return Check(name, "not checked", ["the dump states no loss"])
+    values = [peer_values[r] for r in range(len(peer_values))]
+    kinds = {"step": "the step's token mean",
+             "micro-batch": f"the mean of micro-batches' token means ({size} rows each)",
+             "answer": "the mean of answers' token means", "row": "the mean of answers' sums",
+             "sum": "the step's sum"}
     sets = [("", values, [])]
-    if all("beyond_divergence" in dump.rows.get(r, {}) for r in range(len(ref.rows))):
+    if all("beyond_divergence" in dump.rows.get(r, {}) for r in peer_values):
         with_beyond = [torch.cat([v, dump.rows[r]["beyond_divergence"].double()])
                        for r, v in enumerate(values)]
         sets.append((", with the positions beyond the answers", with_beyond,
                      ["scored:beyond-answer"]))
     candidates = {}  # {label: (causes, value)}
     for suffix, v, extra in sets:
-        for label, how, causes in kinds:
-            candidates[label + suffix] = (extra + causes, normalised(v, how, size, skip))
+        for how, label in kinds.items():
+            causes = extra + [f"normalisation:{how}"]
+            if how == "step":  # opsd's
+                causes = extra
+            candidates[label + suffix] = (causes, normalised(v, how, size, skip))
         if skip:
             candidates["the step's token mean over every position" + suffix] = (
                 extra + ["skip:ignored"], normalised(v, "step", size, 0))
@@ -1939,25 +1821,23 @@ def compare_loss(ref, dump, skip, peer_values, source, expected, counts, scored_
     if dump.normalisation:
         named = f" ({dump.normalisation})"
     lines = [f"your loss {dump.loss:.9g}{named}; the expected {expected:.9g} "
-             f"({rel(dump.loss, expected):+.2e} relative)"]
-    lines.append(f"from {source}: " + "; ".join(f"{h} {v:.9g}" for h, (_, v) in candidates.items()))
+             f"({rel(dump.loss, expected):+.2e} relative)",
+             f"from {source}: " + "; ".join(f"{h} {v:.9g}" for h, (_, v) in candidates.items())]
     causes, notes, sizes = [], {}, {}
     step = candidates["the step's token mean"][1]
-    total = normalised(values, "sum", size, skip)
+    total = candidates["the step's sum"][1]
     identified = None
     mine = source.startswith("your")
-    silent = all(bool((v[skip:].abs() <= TOL_DIVERGENCE[0]).all()) for v in values)
-    if silent:
+    if all((v[skip:].abs() <= TOL_DIVERGENCE[0]).all() for v in values):
         lines.append(f"every value lies within {TOL_DIVERGENCE[0]:g} of 0: no normalisation or "
                      "divisor can be told from them")
     elif len(hits) == 1:
-        causes = candidates[hits[0]][0]
+        causes, value = candidates[hits[0]]
         line = f"your loss is {hits[0]}"
         if causes:
             line += f" ({rel(dump.loss, step):+.2%} against the step's token mean)"
         lines.append(line)
-        off = abs(rel(dump.loss, candidates[hits[0]][1]))
-        identified = f"the loss: {hits[0]}, {off:.1e} relative from it"
+        identified = f"the loss: {hits[0]}, {abs(rel(dump.loss, value)):.1e} relative from it"
         by_causes = {tuple(c): v for c, v in candidates.values()}
         for cause in causes:  # undone alone: the candidate with the other causes
             sizes[cause] = (dump.loss, by_causes[tuple(c for c in causes if c != cause)])
@@ -1968,14 +1848,14 @@ def compare_loss(ref, dump, skip, peer_values, source, expected, counts, scored_
         divisor = total / dump.loss
         count = next((what for what, n in counts.items() if same(divisor, n, TOL_LOSS)), None)
         if count and mine:
-            lines.append(f"your loss is the step's sum divided by {counts[count]} ({count})")
+            n = counts[count]
+            lines.append(f"your loss is the step's sum divided by {n} ({count})")
             causes = ["normalisation:divisor"]
-            notes = {"normalisation:divisor": f"divided by {counts[count]}: {count}"}
+            notes = {"normalisation:divisor": f"divided by {n}: {count}"}
             if scored_beyond and "scored" in count:  # those beyond the answers add 0 to the sum
                 causes = ["scored:beyond-answer"]
-                notes = {causes[0]: f"{counts[count]} positions in the loss, those beyond the "
-                                    "answers each 0"}
-            identified = f"the loss: the step's sum / {counts[count]} ({count})"
+                notes = {causes[0]: f"{n} positions in the loss, those beyond the answers each 0"}
+            identified = f"the loss: the step's sum / {n} ({count})"
         else:
             lines.append("your loss is not reproduced from your rows: it is none of these "
                          f"normalisations, and the step's sum over it, {divisor:.6g}, is none of "
@@ -1997,21 +1877,15 @@ def compare_loss(ref, dump, skip, peer_values, source, expected, counts, scored_
     return Check(name, "matches" if ok else "differs", lines, causes, notes, identified, sizes)
 
 
-def compare_prompts(ref, dump):
-    """Check: the prompt ids the peer dumped, token for token; a teacher's ids equal to the
-    student's (the student's dumped, or else the fixture's) are said as such. Where both sides
-    differ, the first rows of each are listed."""
-    lines, causes, dumped = {side: [] for side in SIDES}, [], 0
+def compare_prompts(ref, prompts):
+    """Check: the prompt ids the peer dumped ({side: {row: ids}}), token for token; a teacher's ids
+    equal to the student's (the student's dumped, or else the fixture's) are said as such. Where
+    both sides differ, the first rows of each are listed."""
+    lines, causes = {side: [] for side in SIDES}, []
     for side in SIDES:
-        for row, tensors in sorted(dump.rows.items()):
-            if f"{side}_prompt_ids" not in tensors:
-                continue
-            dumped += 1
+        for row, theirs in prompts[side].items():
             ours = ref.rows[row][f"{side}_prompt_ids"]
-            theirs = tensors[f"{side}_prompt_ids"].tolist()
-            student = ref.rows[row]["student_prompt_ids"]
-            if "student_prompt_ids" in tensors:
-                student = tensors["student_prompt_ids"].tolist()
+            student = prompts["student"].get(row, ref.rows[row]["student_prompt_ids"])
             if side == "teacher" and theirs == student:
                 lines[side].append(f"row {row}, teacher: the student's own {len(theirs)} ids "
                                    f"(the fixture's teacher has {len(ours)}, with the reference)")
@@ -2024,12 +1898,13 @@ def compare_prompts(ref, dump):
                                    f"fixture's ids {ours[max(0, at - 2):at + 3]}, yours "
                                    f"{theirs[max(0, at - 2):at + 3]})")
                 causes.append(f"prompt:{side}")
+    dumped = sum(map(len, prompts.values()))
     if not dumped:
-        return Check("prompts", "not checked", ["the dump holds no prompt ids"], [])
+        return Check("prompts", "not checked", ["the dump holds no prompt ids"])
     count = sum(len(x) for x in lines.values())
     if not count:
         return Check("prompts", "matches",
-                     [f"all {dumped} dumped prompts are the fixture's, token for token"], [])
+                     [f"all {dumped} dumped prompts are the fixture's, token for token"])
     shown = 6
     if all(lines.values()):
         shown = 3  # of each side
@@ -2046,7 +1921,7 @@ def dumped_problems(t):
 def compare_batches(dump):
     """Check 2: the invariants of every micro-batch the peer dumped (check_batch)."""
     if not dump.batches:
-        return Check("batch", "not checked", ["the dump holds no batch tensors"], [])
+        return Check("batch", "not checked", ["the dump holds no batch tensors"])
     lines, causes = [], []
     for (k, side), t in sorted(dump.batches.items()):
         missing = [n for n in BATCH_TENSORS[:4] if n not in t]
@@ -2057,14 +1932,12 @@ def compare_batches(dump):
             lines.append(f"micro-batch {k}, {side}, {sentence}")
             if cause in ("pad-first", "position-ids"):
                 cause = f"{cause}:{side}"
-            if cause == "beyond-answer":
-                cause = "scored:beyond-answer"
             if cause:
                 causes.append(cause)
     if not lines:
         return Check("batch", "matches",
                      [f"all {len(dump.batches)} micro-batch inputs (both sides) keep each row's "
-                      "tokens contiguous, answer token 0 after the prompt's last"], [])
+                      "tokens contiguous, answer token 0 after the prompt's last"])
     shown = lines[:8] + ([f"... and {len(lines) - 8} more"] if len(lines) > 8 else [])
     return Check("batch", "differs", [f"{len(lines)} broken invariants", *shown],
                  list(dict.fromkeys(causes)))
@@ -2081,9 +1954,9 @@ def declared_config(dump, fixture):
     if dump.clip not in CLIPS:
         raise SystemExit(f"verify.py: clip {dump.clip!r} is not one of {', '.join(CLIPS)} (a peer "
                          "without a clip compares with 'none').")
-    setting = {"skip_first_tokens": 0, "support": "full", "beta": 0.0}
-    if dump.setting is not None:
-        setting.update(settings[dump.setting])
+    setting = {"skip_first_tokens": 0, "support": "full", "beta": 0.0, "form": "term", "scale": "1",
+               "nll": 0.0}
+    setting.update(settings.get(dump.setting, {}))
     stored = not dump.declared
     setting.update(dump.declared)
     if "tau" not in setting and dump.clip != "none":
@@ -2097,33 +1970,25 @@ def declared_config(dump, fixture):
         if key in setting and not ok(setting[key]):
             raise SystemExit(f"verify.py: the dump's {key} is {setting[key]}; it must be {rule}.")
     support = parse_support(setting["support"])
-    if "scale" not in setting:
-        setting["scale"] = 1.0
-    if "form" in setting and support["support"] == "sampled-token":
+    if "form" in dump.declared and support["support"] == "sampled-token":
         raise SystemExit("verify.py: the dump declares a form and a sampled-token support: the "
                          "sampled token's form is the support's (sampled-token:FORM); leave 'form' "
                          "out.")
-    form = {}
-    if "form" in setting:
-        form = parse_form(setting["form"])
-    T = setting["temperature"]
-    scale = T * T
-    if setting.get("scale", "T^2") != "T^2":
-        try:
-            scale = float(setting.get("scale", 1.0))
-        except ValueError:
-            raise SystemExit(f"verify.py: the dump's scale is {setting['scale']!r}; say a number "
-                             "or 'T^2'.")
+    T, scale = setting["temperature"], setting["scale"]
+    if scale == "T^2":
+        scale = T * T
+    try:
+        scale = float(scale)
+    except ValueError:
+        raise SystemExit(f"verify.py: the dump's scale is {scale!r}; say a number or 'T^2'.")
     c = Config(T, T, setting["beta"], dump.clip, setting.get("tau", 0.05), **support, scale=scale,
-               nll=setting.get("nll", 0.0))
-    return c._replace(**form), setting["skip_first_tokens"], stored
+               nll=setting["nll"])
+    return c._replace(**parse_form(setting["form"])), setting["skip_first_tokens"], stored
 
 
 def computable(c, numbers):
     """Whether configuration c's values can be computed from these {side: Numbers}."""
-    if numbers["student"].full and numbers["teacher"].full:
-        return True
-    if c.support == "sampled-token":
+    if numbers["student"].full and numbers["teacher"].full or c.support == "sampled-token":
         return True
     sparse = numbers["student"].sparse and numbers["teacher"].sparse
     return sparse and c.support == "top-k" and c.by == "teacher" \
@@ -2140,34 +2005,29 @@ def verify(dump, ref):
     lengths = ref.lengths
 
     def step_loss(reference):  # the declared loss from a reference's numbers
-        numbers = reference_numbers(reference, rows)
-        numbers["student"].ratio = ratio
-        asked = config_values(declared, numbers["student"], numbers["teacher"], y)
-        return normalised(list(asked.split(lengths)), "step", size, skip)
+        asked = config_values(declared, reference_numbers(reference, rows, ratio), y)
+        return normalised(asked.split(lengths), "step", size, skip)
 
-    prompts = compare_prompts(ref, dump)
+    dumped = {side: {r: t[f"{side}_prompt_ids"].tolist() for r, t in sorted(dump.rows.items())
+                     if f"{side}_prompt_ids" in t} for side in SIDES}  # the prompt ids it holds
+    prompts = compare_prompts(ref, dumped)
     checks = [compare_batches(dump), prompts]
-    theirs = {side: {r: t[f"{side}_prompt_ids"].tolist() for r, t in dump.rows.items()
-                     if f"{side}_prompt_ids" in t and r < len(ref.rows)
-                     and t[f"{side}_prompt_ids"].tolist() != ref.rows[r][f"{side}_prompt_ids"]}
+    theirs = {side: {r: ids for r, ids in dumped[side].items()
+                     if r < len(ref.rows) and ids != ref.rows[r][f"{side}_prompt_ids"]}
               for side in SIDES}
     peer_ref = ref.with_prompts(theirs)  # what else differs is read with the peer's own prompts
     divided, inferred = logits_form(peer_ref, dump, declared.student_t)
     # an importance ratio from the dump's own numbers of one prompt, never the fixture's against
     # the sampler's of the peer's own prompt
     ratio = importance_ratio(dump, rows, y, declared.student_t, divided)
-    if stored and dump.setting is not None:
+    if stored:  # a setting of the fixture's (a dump without one declares what it runs at)
         expected = ref.fixture["expected"][dump.setting][dump.clip]["loss"]
     else:
         expected = step_loss(ref)
     if prompts.causes:
-        with_it = step_loss(peer_ref)
-        sizes = {}
-        for cause in prompts.causes:
-            side = "teacher"
-            if cause == "prompt:student":
-                side = "student"
-            rest = {s: changed for s, changed in theirs.items() if s != side}
+        with_it, sizes = step_loss(peer_ref), {}
+        for cause in prompts.causes:  # undone: the fixture's prompts on the cause's side
+            rest = {s: ids for s, ids in theirs.items() if not cause.startswith(f"prompt:{s}")}
             sizes[cause] = (with_it, step_loss(ref.with_prompts(rest)))
         checks[1] = prompts._replace(sizes=sizes)
     sides = [compare_side(peer_ref, dump, side, declared, size, divided, inferred,
@@ -2184,45 +2044,43 @@ def verify(dump, ref):
             "(student_token_logprobs); the ratio is taken as 1"])
     source = "your per-position divergences"
     if values is None or len(values) != len(ref.rows):
-        own = None
+        own = None  # the dump's own numbers, where it holds every row's
         if len(dump.rows) == len(ref.rows):
-            own = own_numbers(dump, rows, divided)
+            own = own_numbers(dump, rows, divided, ratio=ratio)
         source = "your log-probs' values"
         if own is None or not computable(declared, own):
-            own, source = reference_numbers(peer_ref, rows), "the reference's per-position values"
-        own["student"].ratio = ratio
-        values = dict(enumerate(config_values(declared, own["student"], own["teacher"],
-                                              y).split(lengths)))
+            own = reference_numbers(peer_ref, rows, ratio)
+            source = "the reference's per-position values"
+        values = dict(enumerate(config_values(declared, own, y).split(lengths)))
     counts = {"answer positions": sum(lengths), "answers": len(rows),
               "micro-batches": -(-len(rows) // size)}
     if skip:
         counts["positions in the loss"] = sum(max(0, n - skip) for n in lengths)
+    shown = (("real tokens", "attention_mask", torch.sum),  # (what, its tensor, its count)
+             ("scored positions", "scored_mask", torch.sum),
+             ("tokens with pads", "input_ids", torch.numel))
     for (k, side), t in sorted(dump.batches.items()):
-        for what, name in (("real tokens", "attention_mask"), ("scored positions", "scored_mask")):
+        for what, name, count in shown:
             if name in t:
                 key = f"the {side}'s {what}"
-                counts[key] = counts.get(key, 0) + int(t[name].sum())
-        if "input_ids" in t:
-            key = f"the {side}'s tokens with pads"
-            counts[key] = counts.get(key, 0) + t["input_ids"].numel()
-    beyond = "scored:beyond-answer" in checks[0].causes
-    checks += [divergence_check, compare_loss(ref, dump, skip, values, source, expected, counts,
+                counts[key] = counts.get(key, 0) + int(count(t[name]))
+    beyond = "scored:beyond-answer" in checks[0].causes  # the batch check's
+    checks += [divergence_check, compare_loss(dump, size, skip, values, source, expected, counts,
                                               beyond)]
     checks = [c._replace(sizes={cause: (*pair, expected) for cause, pair in c.sizes.items()})
               for c in checks]
-    return rule_out(checks, ruled_out(dump, ref, size))
+    return rule_out(checks, ruled_out(dump, ref, size, dumped))
 
 
-def ruled_out(dump, ref, size):
+def ruled_out(dump, ref, size, prompts):
     """{cause: the check that rules it out}: a side's prompt, when every row's prompt ids on that
-    side were dumped and are the fixture's; a side's pad-predicted first position and pad-counted
-    position ids, when every micro-batch of that side was dumped and keeps the batch's
-    invariants."""
+    side were dumped (prompts: {side: {row: ids}}) and are the fixture's; a side's pad-predicted
+    first position and pad-counted position ids, when every micro-batch of that side was dumped and
+    keeps the batch's invariants."""
     out = {}
     for side in SIDES:
-        if all(f"{side}_prompt_ids" in dump.rows.get(r, {})
-               and dump.rows[r][f"{side}_prompt_ids"].tolist()
-               == ref.rows[r][f"{side}_prompt_ids"] for r in range(len(ref.rows))):
+        if all(prompts[side].get(r) == row[f"{side}_prompt_ids"]
+               for r, row in enumerate(ref.rows)):
             out[f"prompt:{side}"] = "prompts"
         batches = [dump.batches.get((k, side)) for k in range(-(-len(ref.rows) // size))]
         if all(b is not None and all(n in b for n in BATCH_TENSORS[:4])
@@ -2236,16 +2094,11 @@ def ruled_out(dump, ref, size):
 def rule_out(checks, ruled):
     """The checks with every cause in `ruled` taken out of their causes, a line saying so in its
     place: no cause is named that a check which matched contradicts."""
-    out = []
-    for c in checks:
-        gone = [cause for cause in c.causes if cause in ruled]
-        if gone:
-            c = c._replace(causes=[cause for cause in c.causes if cause not in ruled],
-                           lines=c.lines
-                           + [f"not named: {cause}, which the {ruled[cause]} check (matched) rules "
-                              "out" for cause in gone])
-        out.append(c)
-    return out
+    return [c._replace(causes=[cause for cause in c.causes if cause not in ruled],
+                       lines=c.lines + [f"not named: {cause}, which the {ruled[cause]} check "
+                                        "(matched) rules out"
+                                        for cause in c.causes if cause in ruled])
+            for c in checks]
 
 
 def causes_of(checks):
@@ -2260,15 +2113,14 @@ def size_of(with_it, without, expected):
     change = f"by {moved:+.2%} of the expected"
     if with_it * without > 0 and with_it / without >= 1.5:
         change = f"x{with_it / without:.3g}"
-    words = f"it moves the loss {change}; undone alone, the loss would be {without:.6g} " \
-            f"({(without - expected) / scale:+.2%} from the expected {expected:.6g})"
-    return abs(moved), words
+    return abs(moved), f"it moves the loss {change}; undone alone, the loss would be " \
+                       f"{without:.6g} ({(without - expected) / scale:+.2%} from the expected " \
+                       f"{expected:.6g})"
 
 
 def report(checks, dump, path):
-    setting = dump.setting or "your own"
     declared = ", ".join(f"{k} {v}" for k, v in dump.declared.items())
-    head = f"verify.py: {path}: setting {setting}"
+    head = f"verify.py: {path}: setting {dump.setting or 'your own'}"
     if declared:
         head += f" ({declared})"
     out = [head + f", clip {dump.clip}, {len(dump.rows)} rows"]
@@ -2283,16 +2135,15 @@ def report(checks, dump, path):
     if causes:
         out.append("Likely causes (where you differ from the declared definition), the largest "
                    "effect on the loss first:")
-        notes = {c: n for check in checks for c, n in check.notes.items()}
-        sizes = {}
-        for check in checks:
-            for cause, size in check.sizes.items():
-                sizes.setdefault(cause, size_of(*size))
+        notes = {c: n for check in checks for c, n in check.notes.items() if n}
+        # each cause's size from the first check that sizes it
+        sizes = {cause: size_of(*size) for check in reversed(checks)
+                 for cause, size in check.sizes.items()}
         unmeasured = (-1.0, "its size is not measured: the dump holds no numbers it acts on")
         causes.sort(key=lambda c: -sizes.get(c, unmeasured)[0])
         for c in causes:
             line = f"  - {c}: {CAUSES[c]}"
-            if notes.get(c):
+            if c in notes:
                 line += f" ({notes[c]})"
             out += [line, f"      {sizes.get(c, unmeasured)[1]}"]
     elif any(c.status == "differs" for c in checks):
