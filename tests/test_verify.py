@@ -639,6 +639,25 @@ def test_the_command_line(model, tmp_path, capsys):
     assert capsys.readouterr().out.endswith("Every check that ran matches.\n")
 
 
+@pytest.mark.parametrize("meta, said", [
+    ({"loss": "0.1 (mean)"}, "its metadata's loss is '0.1 (mean)', not a number."),
+    ({"micro_batch_size": "auto"}, "its metadata's micro_batch_size is 'auto', not a number."),
+    ({"beta": "half"}, "its metadata's beta is 'half', not a number."),
+    ({"logits": "scaled"}, "its metadata's logits is 'scaled'; say 'raw' (before the temperature) or 'divided' "
+                           "(already divided by it)."),
+])
+def test_metadata_that_is_not_what_it_names_is_refused_in_one_sentence(tmp_path, meta, said):
+    """Before any model loads: the dump's metadata, each value as text (safetensors keeps no other kind)."""
+    from safetensors.torch import save_file
+
+    path = tmp_path / "dump.safetensors"
+    save_file({"row0.divergence": torch.zeros(3)}, str(path),
+              metadata={"setting": "forward-T1.1", "clip": "entry", **meta})
+    with pytest.raises(SystemExit) as refused:
+        verify.read_dump(path)
+    assert refused.value.code == f"verify.py: {path}: {said}"
+
+
 # -----------------------------------------------------------------------------
 # Peers the kit was not built around, each written from a description of a real implementation: it must say
 # what they compute (their temperature, divergence, value form, normalisation), and nothing spurious

@@ -1025,7 +1025,7 @@ def read_dump(path):
         raise SystemExit(f"verify.py: {path}: its metadata's logits is {meta['logits']!r}; say "
                          "'raw' (before the temperature) or 'divided' (already divided by it).")
     declared = {}
-    for key, kind in DECLARABLE.items():
+    for key, kind in {**DECLARABLE, "loss": float, "micro_batch_size": int}.items():
         if key in meta:
             try:
                 declared[key] = kind(meta[key])
@@ -1041,9 +1041,8 @@ def read_dump(path):
                          "':raw-SIDE' for that side's log-probs as they are) or "
                          f"'sampled-token:FORM' (FORM one of {', '.join(SAMPLED_FORMS)}; "
                          "':clamped' after it for halves clamped at >= 0).")
-    size = meta.get("micro_batch_size")
-    return Dump(meta.get("setting"), meta["clip"], float(meta["loss"]) if "loss" in meta else None,
-                meta.get("normalisation"), int(size) if size else None, rows, batches,
+    return Dump(meta.get("setting"), meta["clip"], declared.pop("loss", None),
+                meta.get("normalisation"), declared.pop("micro_batch_size", None), rows, batches,
                 meta.get("logits"), declared)
 
 
