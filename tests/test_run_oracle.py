@@ -10,7 +10,9 @@ formulas, no opsd loss function): the loss, kl_mean, kl_frac_above_tau, kl_first
 both entropies, the share of negative loss terms, the gradient norm, and the adapter after each of the three steps
 (its own AdamW), the EMA teacher's update. This file adds what is opsd.py's alone: the learning rate's schedule, the
 EMA's start, that each rank trained on the prompts step_indices names for it, none shared, and that the answers
-rollouts.jsonl logs (rank 0's, at steps 1 and 3 here) carry each token's KL as the oracle computes it. A dump of
+rollouts.jsonl logs (rank 0's, at steps 1 and 3 here) carry each token's KL as the oracle computes it, and what the
+run shows its user (--overwrite replacing an older run, the figures each step logs, the sampler's log-probs equal to
+the trainer's, the command that resumes, the step lines, the final adapter loading back). A dump of
 the same run with one wrong wiring (the teacher shown the student's prompt, the loss normalised otherwise, the
 learning rate logged a step late, the EMA at another decay) is reported as differing. And a port written here,
 unlike opsd.py (port_run: its own LoRA, batches, normalisation and optimizer settings), is checked the same way."""
@@ -24,7 +26,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers import AutoTokenizer
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import opsd
 
@@ -81,17 +83,21 @@ def oracle_run(request, tiny_model_dir, tmp_path_factory):
     (tmp / "records").mkdir()
     launcher = tmp / "launch.py"
     launcher.write_text(LAUNCHER.format(root=str(ROOT), out=str(tmp / "records")))
+    older = tmp / "run"  # holds an older finished run, which --overwrite replaces
+    (older / "final").mkdir(parents=True)
+    (older / "checkpoint-7").mkdir()
+    (older / "metrics.jsonl").write_text(json.dumps({"step": 99}) + "\n")
     argv = [f"--{k.replace('_', '-')}={v}" for k, v in flags.items()]
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(launcher),
            "--model", tiny_model_dir, "--dataset", str(DATA), "--device", "cpu", "--dtype", "float32",
            "--prompts-per-step", str(PROMPTS), "--max-new-tokens", str(NEW_TOKENS),
            "--max-steps", str(STEPS), "--save-every", "1", "--kl-window", "1", "--gradient-checkpointing",
-           "--output-dir", str(tmp / "run"), *argv]
+           "--output-dir", str(tmp / "run"), "--overwrite", *argv]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=ROOT)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     records = [json.loads(line) for line in (tmp / "run" / "metrics.jsonl").read_text().splitlines()]
     ranks = [json.loads((tmp / "records" / f"rank{r}.json").read_text()) for r in range(2)]
-    return tmp / "run", records, ranks, flags
+    return tmp / "run", records, ranks, flags, proc.stdout
 
 
 def opsd_dump(run_dir, records, out):
@@ -148,7 +154,7 @@ def opsd_dump(run_dir, records, out):
 @pytest.fixture(scope="module")
 def checked(oracle_run, tiny_model_dir):
     """(the dump's directory, the float64 model, run_check's checks and its recomputed steps)."""
-    out, _, _, _ = oracle_run
+    out, _, _, _, _ = oracle_run
     dump = opsd_dump(out, out.parent / "records", out.parent / "dump")
     model = run_check.load_model(tiny_model_dir)
     checks, results = run_check.check(run_check.read_dump(dump), model)
@@ -156,7 +162,7 @@ def checked(oracle_run, tiny_model_dir):
 
 
 def test_every_step_of_the_run_matches_the_float64_oracle(oracle_run, checked):
-    out, records, ranks, flags = oracle_run
+    out, records, ranks, flags, _ = oracle_run
     dump, _, checks, results = checked
     differing = [c for c in checks if c.status != "matches"]
     assert differing == [], run_check.report(checks, run_check.read_dump(dump))
@@ -192,6 +198,39 @@ def test_every_step_of_the_run_matches_the_float64_oracle(oracle_run, checked):
         assert all(torch.equal(t, s) for n in student for t, s in zip(teacher[n], student[n], strict=True))
 
 
+KEYS = {"step", "loss", "lr", "grad_norm", "kl_mean", "kl_frac_above_tau", "logprob_gap_mean", "logprob_gap_max",
+        "completion_len_mean", "time_sample", "time_train", "time_push"}
+
+
+def test_the_run_as_its_user_sees_it(oracle_run, tiny_model_dir):
+    """What the oracle does not recompute: --overwrite replaced the older run the directory held; each step's record
+    holds every figure, finite, and vLLM's log-prob of each sampled token is the trainer's; the command that resumes
+    is printed at the start, before any step, and on each checkpoint's line; a line per step; the final adapter
+    loads back into the model at the run's LoRA rank."""
+    out, records, _, flags, stdout = oracle_run
+    assert not (out / "checkpoint-7").exists() and [r["step"] for r in records] == list(range(1, STEPS + 1))
+    for r in records:
+        assert KEYS <= set(r) and all(math.isfinite(r[k]) for k in KEYS), r
+        # sampler and trainer agree on every sampled token: padding, positions and pushes are right
+        assert r["logprob_gap_mean"] <= 1e-5 and r["logprob_gap_max"] <= 1e-4  # the float32 floor (~1e-6), x10
+        assert r["lr"] > 0 and r["completion_len_mean"] > 0
+        # at --kl-window 1 the window is the step's own tokens (answer_tokens, which the oracle counts in the rows)
+        assert r["kl_window_tokens"] == r["completion_len_mean"] * PROMPTS
+    resume = "to resume: torchrun --nproc_per_node 2 opsd.py "
+    assert stdout.index(resume) < stdout.index("step ")
+    # once at the start, then on checkpoint-1's and checkpoint-2's lines (the last step writes final/ instead)
+    assert stdout.count(resume) == 1 + len(opsd.checkpoints(out)) == STEPS
+    commands = [line.split("to resume: ", 1)[1] for line in stdout.splitlines() if "to resume: " in line]
+    assert all(c.endswith(" --resume") and "--overwrite" not in c for c in commands), commands
+    step_lines = [line for line in stdout.splitlines() if line.startswith("step ")]
+    assert len(step_lines) == STEPS and "kl" in step_lines[0] and "push" in step_lines[0]
+    # the final adapter loads back into the model (and vLLM's loader reads it: see test_lora.py)
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+    opsd.add_lora(model, r=flags["lora_r"], alpha=flags["lora_alpha"])
+    opsd.load_adapter(model, out / "final")
+    assert any(m.lora_B.abs().max() > 0 for m in opsd.lora_layers(model).values())
+
+
 def copy_with(dump, where, edit):
     """A copy of the dump at `where`, edit(its path) applied, read back."""
     shutil.copytree(dump, where)
@@ -211,7 +250,7 @@ def statuses(checks):
 def test_a_wrong_wiring_is_caught_through_the_dump(oracle_run, checked, tmp_path, capsys):
     """The same run's dump, each time with one wiring wrong, checked at the steps it touches (0.1 s a step): the
     checks it should break differ, the others still match."""
-    _, records, _, flags = oracle_run
+    _, records, _, flags, _ = oracle_run
     dump, model, _, results = checked
 
     # a trainer that showed the teacher the student's prompt at step 1, its logged figures the run's
@@ -280,7 +319,6 @@ def port_run(dump, steps=3, ranks=2, rows_per_rank=3):
     decay, the gradient's norm clipped. Float32, on the miniature model, with the fixture's rows (answers of 25 to
     33 tokens), 2 simulated ranks. It writes check 4's dump as README.md's sketch does."""
     from safetensors.torch import save_file
-    from transformers import AutoModelForCausalLM
 
     fixture = json.loads((ROOT / "tests" / "verify" / "fixture.json").read_text())
     T, tau, lr, max_norm = 1.1, 0.05, 5e-3, 0.02
@@ -398,7 +436,7 @@ def check_logged_answers(out, step, got, result, ranks, flags):
 
 
 def test_each_rank_trained_on_its_own_shard_of_the_step(oracle_run, tiny_model_dir):
-    _, _, ranks, flags = oracle_run
+    _, _, ranks, flags, _ = oracle_run
     rows = [json.loads(line) for line in DATA.read_text().splitlines()]
     tok = AutoTokenizer.from_pretrained(tiny_model_dir)
     render = lambda text, thinking: tok.apply_chat_template([{"role": "user", "content": text}],  # noqa: E731
