@@ -241,65 +241,63 @@ def test_many_long_seeded_prompts_sample(llm, args, tiny_model_dir):
 
 
 SKIP_ON_SECOND_PUSH = """
-import sys, opsd
+import os, sys, torch, opsd
+torch.set_float32_matmul_precision("high")  # as a user's own setup code might: TF32 would round the read-back
 merged, calls = opsd.merged_weights, []
 def skipping(model):  # the second push leaves one projection out, silently
     calls.append(1)
     return ((n, w) for n, w in merged(model) if len(calls) < 2 or n != "model.layers.1.mlp.down_proj.weight")
 opsd.merged_weights = skipping
+check_push = opsd.check_push
+def say_then_check(llm, model):  # the settings each push is read back at
+    print("read back at:", torch.get_float32_matmul_precision(), os.environ["VLLM_FLOAT32_MATMUL_PRECISION"],
+          flush=True)
+    check_push(llm, model)
+opsd.check_push = say_then_check
 opsd.main(sys.argv[1:])
 """
 
 
-def test_a_failed_push_stops_the_run_in_one_sentence_naming_the_layer_and_the_checkpoint(tiny_model_dir, tmp_path):
-    import subprocess
-    import sys
-    from pathlib import Path
-
-    root = Path(__file__).resolve().parent.parent
-    cmd = [sys.executable, "-c", SKIP_ON_SECOND_PUSH, "--model", tiny_model_dir, "--dataset",
-           str(root / "tests/data/math_train.jsonl"), "--device", "cpu", "--dtype", "float32", "--max-steps", "3",
-           "--prompts-per-step", "2", "--micro-batch-size", "2", "--max-new-tokens", "16", "--lr", "1e-3",
-           "--save-every", "1", "--output-dir", str(tmp_path)]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=root)
-    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
-    assert said(proc.stderr, "opsd.py: error: the weight push failed: vLLM's model.layers.1.mlp.down_proj does not "
-                             "hold the merged weights sent to it (is vllm the version requirements.txt pins?).") == 1, \
-        proc.stderr[-3000:]
-    assert "checkpoint-1; to resume: " in proc.stdout  # where to go on from, printed when it was written
-    assert not (tmp_path / "checkpoint-2").exists() and not (tmp_path / "final").exists()
-
-
-PRECISION_AFTER = """
-import os, sys, torch, opsd
-torch.set_float32_matmul_precision("high")  # as a user's own setup code might: TF32 would round the read-back
-stop_engine = opsd.stop_engine
-def say_then_stop(llm):  # the run's last call (main() then ends the process): what the pushes were read back at
-    print("at the run's end:", torch.get_float32_matmul_precision(), os.environ["VLLM_FLOAT32_MATMUL_PRECISION"])
-    stop_engine(llm)
-opsd.stop_engine = say_then_stop
-opsd.main(sys.argv[1:])
-"""
-
-
-def test_exported_multiprocessing_and_matmul_precision_cannot_break_the_push(tiny_model_dir, tmp_path):
-    """A user who exported VLLM_ENABLE_V1_MULTIPROCESSING=1 would get an engine in another process, and the push
-    would fail (a generator cannot be sent there); reduced float32 precision would round the read-back's GEMM."""
+@pytest.fixture(scope="module")
+def failed_push(tiny_model_dir, tmp_path_factory):
+    """One run whose second push leaves a projection out, and whose user exported VLLM_ENABLE_V1_MULTIPROCESSING=1
+    and reduced float32 matmul precision (both tests below read it): (the finished process, its --output-dir)."""
     import os
     import subprocess
     import sys
     from pathlib import Path
 
     root = Path(__file__).resolve().parent.parent
-    cmd = [sys.executable, "-c", PRECISION_AFTER, "--model", tiny_model_dir, "--dataset",
-           str(root / "tests/data/math_train.jsonl"), "--device", "cpu", "--dtype", "float32", "--max-steps", "2",
+    out = tmp_path_factory.mktemp("failed-push")
+    cmd = [sys.executable, "-c", SKIP_ON_SECOND_PUSH, "--model", tiny_model_dir, "--dataset",
+           str(root / "tests/data/math_train.jsonl"), "--device", "cpu", "--dtype", "float32", "--max-steps", "3",
            "--prompts-per-step", "2", "--micro-batch-size", "2", "--max-new-tokens", "16", "--lr", "1e-3",
-           "--output-dir", str(tmp_path)]
+           "--save-every", "1", "--output-dir", str(out)]
     env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="1", VLLM_FLOAT32_MATMUL_PRECISION="high")
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=root, env=env)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "at the run's end: highest highest" in proc.stdout
-    assert sum(line.startswith("step ") for line in proc.stdout.splitlines()) == 2  # both pushes read back
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=root, env=env), out
+
+
+SKIPPED = ("opsd.py: error: the weight push failed: vLLM's model.layers.1.mlp.down_proj does not hold the merged "
+           "weights sent to it (is vllm the version requirements.txt pins?).")
+
+
+def test_a_failed_push_stops_the_run_in_one_sentence_naming_the_layer_and_the_checkpoint(failed_push):
+    proc, out = failed_push
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert said(proc.stderr, SKIPPED) == 1, proc.stderr[-3000:]
+    assert "checkpoint-1; to resume: " in proc.stdout  # where to go on from, printed when it was written
+    assert not (out / "checkpoint-2").exists() and not (out / "final").exists()
+
+
+def test_exported_multiprocessing_and_matmul_precision_cannot_break_the_push(failed_push):
+    """A user who exported VLLM_ENABLE_V1_MULTIPROCESSING=1 would get an engine in another process, and the push
+    would fail (a generator cannot be sent there); reduced float32 precision would round the read-back's GEMM. The
+    first push is read back whole, the second finds the projection left out and nothing before it (check_push
+    compares the layers in order, layer 1's down_proj last)."""
+    proc, _ = failed_push
+    assert proc.stdout.splitlines().count("read back at: highest highest") == 2, proc.stdout[-3000:]
+    assert sum(line.startswith("step ") for line in proc.stdout.splitlines()) == 1  # step 1's push read back
+    assert said(proc.stderr, "opsd.py: ") == 1 and said(proc.stderr, SKIPPED) == 1, proc.stderr[-3000:]
 
 
 # -- sampling follows vLLM's semantics for the flags opsd.py passes on ------------------------------------------------
