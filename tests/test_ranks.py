@@ -165,6 +165,24 @@ def test_a_rank_that_hangs_on_another_node_ends_the_run_at_the_collective_timeou
     assert "rank 0: error at step 3 of 5" in root_cause(torchrun0) and "Timed out" in root_cause(torchrun0)
 
 
+def run_two_nodes(tiny_model_dir, tmp_path, fault, minutes):
+    """Two nodes (two torchrun agents, one rank each), `fault` on rank 1, --collective-timeout `minutes`, each node
+    waited for to its end: (the agents, their torchrun reports, when each ended, the folder of the ranks' logs)."""
+    logs = tmp_path / "logs"
+    script = [str(ROOT / "tests" / "fault_launch.py"),
+              *flags(tiny_model_dir, tmp_path / "out", "--collective-timeout", str(minutes))]
+    nodes = launch_two_nodes(script, logs, env={"FAULT": fault})
+    reports = []
+    ends = []
+    try:
+        for node in nodes:
+            reports.append(node.communicate(timeout=300)[1])
+            ends.append(time.time())
+    finally:
+        stop_nodes(nodes)
+    return nodes, reports, ends, logs
+
+
 # where rank 1 stalls (tests/fault_launch.py), the phase, --collective-timeout (minutes: above what each phase before
 # it takes here, with two nodes on two cores: the input checks ~1 s, the rest under 0.2 s each, with transformers and
 # vLLM imported before the run), and what rank 0 says: a rank missing from an agreement is named; a phase whose own
@@ -184,18 +202,7 @@ def test_a_rank_stalled_before_the_first_step_ends_every_node_within_the_bound(s
     """Two nodes (two torchrun agents, one rank each); rank 1 sleeps where a real call would block (a hub or a network
     filesystem that stalls, NCCL's connect, vLLM's NCCL splits). No torchrun learns of it, so each node must end by
     itself: rank 1 at its time limit, with its line and where it waited; rank 0 at its own, or at its wait's."""
-    logs = tmp_path / "logs"
-    script = [str(ROOT / "tests" / "fault_launch.py"),
-              *flags(tiny_model_dir, tmp_path / "out", "--collective-timeout", str(minutes))]
-    nodes = launch_two_nodes(script, logs, env={"FAULT": f"stall:{stall}"})
-    reports = []
-    ends = []
-    try:
-        for node in nodes:
-            reports.append(node.communicate(timeout=300)[1])
-            ends.append(time.time())
-    finally:
-        stop_nodes(nodes)
+    nodes, reports, ends, logs = run_two_nodes(tiny_model_dir, tmp_path, f"stall:{stall}", minutes)
     rank0 = rank_stderr(logs, 0)
     rank1 = rank_stderr(logs, 1)
     fault_at, _ = fault_time(rank1)
@@ -213,17 +220,7 @@ def test_a_rank_killed_by_a_signal_in_a_phase_is_said_as_that_on_every_node(tiny
     it, so a rank torchrun ended later came first as the root cause); rank 0 names it at the agreement, with the
     phase it is in, after --collective-timeout. On one node, where torchrun ends rank 0 at once, rank 1 is the root
     cause."""
-    logs = tmp_path / "logs"
-    script = [str(ROOT / "tests" / "fault_launch.py"),
-              *flags(tiny_model_dir, tmp_path / "out", "--collective-timeout", "0.15")]
-    nodes = launch_two_nodes(script, logs, env={"FAULT": "signal:checks"})
-    reports, ends = [], []
-    try:
-        for node in nodes:
-            reports.append(node.communicate(timeout=300)[1])
-            ends.append(time.time())
-    finally:
-        stop_nodes(nodes)
+    _, reports, ends, logs = run_two_nodes(tiny_model_dir, tmp_path, "signal:checks", 0.15)
     fault_at, _ = fault_time(rank_stderr(logs, 1))
     assert [end - fault_at < 2 + 9 + BOUND_S for end in ends] == [True, True], (ends, fault_at)
     cause = root_cause(reports[1])
