@@ -597,11 +597,13 @@ def test_a_fixed_seed_reproduces_exactly(quick_run):
         assert first[key] == pytest.approx(ref["expected"]["none"][key], abs=FLOAT32_ABS), key
 
 
-def test_grpo_trains_from_opsds_parts(task, tmp_path):
-    """Three GRPO steps in their own process: 64 completions a step (8 prompts x 8), rewards in [0, 1] that are
-    not all alike on this imperfect model, the weight push checked by opsd.py, the adapter moved off zero."""
+def test_grpo_trains_from_opsds_parts(task, tmp_path, monkeypatch):
+    """Three GRPO steps (in this process, where vLLM is imported already; a user's run starts a process for them):
+    64 completions a step (8 prompts x 8), rewards in [0, 1] that are not all alike on this imperfect model, the
+    weight push checked by opsd.py, the adapter moved off zero."""
     from safetensors.torch import load_file
 
+    monkeypatch.setattr(miniature, "IN_PROCESS", True)
     files = {"train": tmp_path / "train.jsonl"}
     miniature.write_jsonl(files["train"], task[0])
     adapter, _ = miniature.train_arm(miniature.SHIPPED_MODEL, files, task[0], "grpo", 1, 3, 5e-3, tmp_path / "g",
@@ -623,7 +625,7 @@ def quick_run(tmp_path_factory):
     out = tmp_path_factory.mktemp("miniature")
     printed = io.StringIO()
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(miniature, "EVAL_IN_PROCESS", True)
+        patch.setattr(miniature, "IN_PROCESS", True)
         with contextlib.redirect_stdout(printed), as_a_user_would():
             miniature.main(["--output-dir", str(out), *QUICK])
         yield out, printed.getvalue()

@@ -206,30 +206,6 @@ def test_a_push_one_element_off_the_merged_weights_stops_the_run(engine, tiny_mo
     assert (changed[0] != merged).sum() == 1  # the tamper was one element
 
 
-STALE = """
-import sys, opsd
-opsd.push_weights = lambda llm, model: None  # never push: vLLM keeps sampling from the base weights,
-opsd.check_push = lambda llm, model: None  # and nothing reads them back
-opsd.main(sys.argv[1:])
-"""
-
-
-def test_the_step_line_flags_a_stale_engine(tiny_model_dir, tmp_path):
-    import subprocess
-    import sys
-    from pathlib import Path
-
-    root = Path(__file__).resolve().parent.parent
-    cmd = [sys.executable, "-c", STALE, "--model", tiny_model_dir, "--dataset", str(root / "tests/data/math_train.jsonl"),
-           "--device", "cpu", "--dtype", "float32", "--max-steps", "2", "--prompts-per-step", "2",
-           "--micro-batch-size", "2", "--max-new-tokens", "16", "--lr", "1e-3", "--output-dir", str(tmp_path)]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=root)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    lines = [line for line in proc.stdout.splitlines() if line.startswith("step ")]
-    # step 1 samples from the weights it trains (B = 0 on both sides); step 2 from weights one update old
-    assert "noise floor" not in lines[0] and "<- gap above the float32 noise floor measured on CPU" in lines[1]
-
-
 def test_many_long_seeded_prompts_sample(llm, args, tiny_model_dir):
     # 20 prompts of ~500 tokens exceed one engine step's token budget (8,192), so a chunked prefill would split
     # them, and rewinding a seeded CPU generator then raises; opsd's engine prefills whole prompts on the CPU
@@ -240,36 +216,40 @@ def test_many_long_seeded_prompts_sample(llm, args, tiny_model_dir):
     assert len(completions) == 20 and all(len(c) == len(lp) > 0 for c, lp in zip(completions, logprobs))
 
 
-SKIP_ON_SECOND_PUSH = """
+PUSHES = """
 import os, sys, torch, opsd
 torch.set_float32_matmul_precision("high")  # as a user's own setup code might: TF32 would round the read-back
-merged, calls = opsd.merged_weights, []
-def skipping(model):  # the second push leaves one projection out, silently
-    calls.append(1)
-    return ((n, w) for n, w in merged(model) if len(calls) < 2 or n != "model.layers.1.mlp.down_proj.weight")
-opsd.merged_weights = skipping
-check_push = opsd.check_push
-def say_then_check(llm, model):  # the settings each push is read back at
-    print("read back at:", torch.get_float32_matmul_precision(), os.environ["VLLM_FLOAT32_MATMUL_PRECISION"],
-          flush=True)
-    check_push(llm, model)
-opsd.check_push = say_then_check
+merged, push, check_push, pushes = opsd.merged_weights, opsd.push_weights, opsd.check_push, []
+def all_but_the_first(llm, model):  # the first push left out: vLLM samples step 2 from the base weights
+    pushes.append(1)
+    if len(pushes) > 1:
+        push(llm, model)
+def skipping(model):  # the third push leaves one projection out, silently
+    return ((n, w) for n, w in merged(model) if len(pushes) < 3 or n != "model.layers.1.mlp.down_proj.weight")
+def say_then_check(llm, model):  # the settings each push is read back at; the one left out is not read back
+    if len(pushes) > 1:
+        print("read back at:", torch.get_float32_matmul_precision(), os.environ["VLLM_FLOAT32_MATMUL_PRECISION"],
+              flush=True)
+        check_push(llm, model)
+opsd.push_weights, opsd.merged_weights, opsd.check_push = all_but_the_first, skipping, say_then_check
 opsd.main(sys.argv[1:])
 """
 
 
 @pytest.fixture(scope="module")
-def failed_push(tiny_model_dir, tmp_path_factory):
-    """One run whose second push leaves a projection out, and whose user exported VLLM_ENABLE_V1_MULTIPROCESSING=1
-    and reduced float32 matmul precision (both tests below read it): (the finished process, its --output-dir)."""
+def pushes(tiny_model_dir, tmp_path_factory):
+    """One run of three steps and three pushes: the first left out (vLLM samples step 2 from the weights before
+    step 1's update), the second whole, the third leaving a projection out; its user exported
+    VLLM_ENABLE_V1_MULTIPROCESSING=1 and reduced float32 matmul precision (the tests below read it): (the finished
+    process, its --output-dir)."""
     import os
     import subprocess
     import sys
     from pathlib import Path
 
     root = Path(__file__).resolve().parent.parent
-    out = tmp_path_factory.mktemp("failed-push")
-    cmd = [sys.executable, "-c", SKIP_ON_SECOND_PUSH, "--model", tiny_model_dir, "--dataset",
+    out = tmp_path_factory.mktemp("pushes")
+    cmd = [sys.executable, "-c", PUSHES, "--model", tiny_model_dir, "--dataset",
            str(root / "tests/data/math_train.jsonl"), "--device", "cpu", "--dtype", "float32", "--max-steps", "3",
            "--prompts-per-step", "2", "--micro-batch-size", "2", "--max-new-tokens", "16", "--lr", "1e-3",
            "--save-every", "1", "--output-dir", str(out)]
@@ -281,22 +261,29 @@ SKIPPED = ("opsd.py: error: the weight push failed: vLLM's model.layers.1.mlp.do
            "weights sent to it (is vllm the version requirements.txt pins?).")
 
 
-def test_a_failed_push_stops_the_run_in_one_sentence_naming_the_layer_and_the_checkpoint(failed_push):
-    proc, out = failed_push
+def test_the_step_line_flags_a_stale_engine(pushes):
+    proc, _ = pushes
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("step ")]
+    # step 1 samples from the weights it trains (B = 0 on both sides); step 2 from weights one update old
+    assert "noise floor" not in lines[0] and "<- gap above the float32 noise floor measured on CPU" in lines[1]
+
+
+def test_a_failed_push_stops_the_run_in_one_sentence_naming_the_layer_and_the_checkpoint(pushes):
+    proc, out = pushes
     assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
     assert said(proc.stderr, SKIPPED) == 1, proc.stderr[-3000:]
-    assert "checkpoint-1; to resume: " in proc.stdout  # where to go on from, printed when it was written
-    assert not (out / "checkpoint-2").exists() and not (out / "final").exists()
+    assert "checkpoint-2; to resume: " in proc.stdout  # where to go on from, printed when it was written
+    assert not (out / "checkpoint-3").exists() and not (out / "final").exists()
 
 
-def test_exported_multiprocessing_and_matmul_precision_cannot_break_the_push(failed_push):
+def test_exported_multiprocessing_and_matmul_precision_cannot_break_the_push(pushes):
     """A user who exported VLLM_ENABLE_V1_MULTIPROCESSING=1 would get an engine in another process, and the push
     would fail (a generator cannot be sent there); reduced float32 precision would round the read-back's GEMM. The
-    first push is read back whole, the second finds the projection left out and nothing before it (check_push
+    second push is read back whole, the third finds the projection left out and nothing before it (check_push
     compares the layers in order, layer 1's down_proj last)."""
-    proc, _ = failed_push
+    proc, _ = pushes
     assert proc.stdout.splitlines().count("read back at: highest highest") == 2, proc.stdout[-3000:]
-    assert sum(line.startswith("step ") for line in proc.stdout.splitlines()) == 1  # step 1's push read back
+    assert sum(line.startswith("step ") for line in proc.stdout.splitlines()) == 2  # step 2's push read back
     assert said(proc.stderr, "opsd.py: ") == 1 and said(proc.stderr, SKIPPED) == 1, proc.stderr[-3000:]
 
 

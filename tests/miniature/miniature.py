@@ -543,6 +543,20 @@ def best_tau(clip, results=RESULTS):
     return 0.05 if means[0.05] == best else max(t for t, m in means.items() if m == best)
 
 
+# The tests set this: eval.py's main() and a GRPO training in their own process, where vLLM is imported already
+# (7 s less an evaluation, 5 s less a GRPO run). A run of this script starts each as a process of its own, as a user
+# does.
+IN_PROCESS = False
+
+
+def run_in_process(main_function, argv, log_path):
+    """main_function(argv) in this process (IN_PROCESS), its output in log_path; the seconds it took."""
+    t0 = time.perf_counter()
+    with open(log_path, "w") as log, contextlib.redirect_stdout(log), contextlib.redirect_stderr(log):
+        main_function(argv)
+    return time.perf_counter() - t0
+
+
 def run_logged(cmd, log_path, env=None):
     """Run a command with its output in log_path; stop with the log's tail if it fails."""
     env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"), **(env or {})}
@@ -680,12 +694,16 @@ def train_arm(model_dir, files, train, arm, seed, steps, lr, out_dir, resume, sa
     if kind == "sft":
         shutil.rmtree(out_dir, ignore_errors=True)
         train_sft(model_dir, train, setting, seed, steps, lr, out_dir, save_every)
-    elif kind == "grpo":  # its own process: its vLLM engine must not share one with the dev scorer's
+    elif kind == "grpo":  # its own process (IN_PROCESS aside): its vLLM engine apart from the dev scorer's
         shutil.rmtree(out_dir, ignore_errors=True)
         out_dir.mkdir(parents=True)
         job = {"model_dir": str(model_dir), "train_file": str(files["train"]), "seed": seed, "steps": steps,
                "lr": lr, "out_dir": str(out_dir), "save_every": save_every}
-        run_logged([sys.executable, str(Path(__file__).resolve()), "--grpo-job", json.dumps(job)], log_path(out_dir))
+        argv = ["--grpo-job", json.dumps(job)]
+        if IN_PROCESS:
+            run_in_process(main, argv, log_path(out_dir))
+        else:
+            run_logged([sys.executable, str(Path(__file__).resolve()), *argv], log_path(out_dir))
     else:
         if not opsd_has_student_prompt():
             raise SystemExit("this opsd.py has no --student-prompt: the opsd.py arms train the student in eval.py's "
@@ -716,11 +734,6 @@ def read_metrics(run):
 # serving every checkpoint as a LoRA adapter, with eval.py's prompt, sampling settings, per-sample seeds and grading.
 
 
-# The tests set this: eval.py's main() in their own process, where vLLM is imported already (7 s less an
-# evaluation). A run of this script starts eval.py as a process of its own, as a user does.
-EVAL_IN_PROCESS = False
-
-
 def evaluate(model_dir, data_file, n, out_dir, adapter=None, thinking=False):
     """eval.py's avg@n on one split (thinking off: the student's training prompt; on: the transfer prompt), the
     samples' answers without a scratchpad, and the seconds it took (None when its summary was there already: then
@@ -732,11 +745,8 @@ def evaluate(model_dir, data_file, n, out_dir, adapter=None, thinking=False):
     argv += ["--adapter", str(adapter)] if adapter else []
     out_dir.mkdir(parents=True, exist_ok=True)
     log = log_path(out_dir, "resumed" if finished else "")
-    if EVAL_IN_PROCESS:
-        t0 = time.perf_counter()
-        with open(log, "w") as f, contextlib.redirect_stdout(f), contextlib.redirect_stderr(f):
-            evaluation.main(argv)
-        seconds = time.perf_counter() - t0
+    if IN_PROCESS:
+        seconds = run_in_process(evaluation.main, argv, log)
     else:
         seconds = run_logged([sys.executable, str(ROOT / "eval.py"), *argv], log)
     avg = json.loads((out_dir / "summary.json").read_text())["metrics"]["split"][f"avg@{n}"]
