@@ -28,11 +28,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import opsd  # noqa: E402
 
 kind, _, value = os.environ["FAULT"].partition(":")
-if value in ("load", "engine"):
+if value in ("load", "engine") or kind == "hang":
     # imported before the run, so that its start-up phases stay well within the short --collective-timeout these
     # tests give (each phase's time limit); the run's own imports then find them loaded
     import transformers.models.auto.modeling_auto  # noqa: F401
-if value == "engine":
+if value == "engine" or kind == "hang":
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
     import vllm  # noqa: F401
 if kind == "slow-final":  # its short --collective-timeout is for the waits after the last step, not the start-up's

@@ -143,11 +143,11 @@ def test_an_error_on_rank_1_alone_is_its_traceback_said_once_and_in_torchruns_re
 
 def test_a_rank_that_hangs_on_another_node_ends_the_run_at_the_collective_timeout(tiny_model_dir, tmp_path):
     """Two nodes (two torchrun agents, one rank each): rank 1 stops answering (SIGSTOP) in step 3 and does not end,
-    so no torchrun learns of it; rank 0 waits in a collective until --collective-timeout (0.2 minutes), then ends
-    in one line."""
+    so no torchrun learns of it; rank 0 waits in a collective until --collective-timeout (0.15 minutes), then ends
+    in one line (transformers and vLLM imported before the run, so that its start-up phases stay well within it)."""
     logs = tmp_path / "logs"
     script = [str(ROOT / "tests" / "fault_launch.py"), *flags(tiny_model_dir, tmp_path / "out", "--collective-timeout",
-                                                               "0.2")]
+                                                               "0.15")]
     node0, node1 = launch_two_nodes(script, logs, env={"FAULT": "hang"})
     try:
         _, torchrun0 = node0.communicate(timeout=300)
@@ -158,7 +158,7 @@ def test_a_rank_that_hangs_on_another_node_ends_the_run_at_the_collective_timeou
             os.kill(fault_time(rank_stderr(logs, 1))[1], signal.SIGKILL)  # the stopped worker, a session of its own
     fault_at, _ = fault_time(rank_stderr(logs, 1))
     assert node0.returncode != 0
-    assert 12 <= end - fault_at < 12 + BOUND_S, end - fault_at  # the timeout, then the exits
+    assert 9 <= end - fault_at < 9 + BOUND_S, end - fault_at  # the timeout, then the exits
     rank0 = rank_stderr(logs, 0)
     assert said(rank0, "opsd.py: rank 0: error at step 3 of 5 (") == 1, rank0[-3000:]
     assert "Timed out" in rank0 and rank0.count("Traceback (most recent call last)") == 1
