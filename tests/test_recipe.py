@@ -1,27 +1,17 @@
 # python -m pytest tests/test_recipe.py -q
 """The released recipe's remaining choices and the conveniences: the EMA teacher (against a hand computation and a
 model loaded with the EMA weights), --skip-first-tokens (against the loss restricted by hand), --data-select hard
-(against the rule applied by hand), and Weights & Biases offline; all of them together under torchrun, killed
-after a checkpoint and resumed to the uninterrupted run's weights, EMA and metrics."""
+(against the rule applied by hand). All of them together under torchrun, with Weights & Biases offline, interrupted
+and resumed to the uninterrupted run's weights, EMA and metrics: tests/test_train.py."""
 
 import json
-import os
-import shutil
-import struct
-import subprocess
-import sys
 from collections import deque
-from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
 import opsd
-
-ROOT = Path(__file__).resolve().parent.parent
-DATA = ROOT / "tests" / "data" / "math_train.jsonl"
 
 STUDENT = [[1, 89, 87, 266, 203], [1, 307, 265], [1, 285, 15, 22, 35, 2, 203]]
 TEACHER = [p + [300 + i] * (4 + 2 * i) for i, p in enumerate(STUDENT)]
@@ -162,85 +152,3 @@ def test_hard_selection_checks_every_row(tmp_path, capsys):
             opsd.load_rows(str(path), "train", "problem", "solution", "hard")
         assert str(refused.value) == f"--dataset {path}, row 3: {shown}: fix or drop the row."
 
-
-# -- all together under torchrun, with wandb offline, killed and resumed -------------------------
-
-
-def wandb_history(run_dir):
-    """The history records of an offline wandb run, read from its run file: a 7-byte header, then 32 KiB
-    blocks of records, each with a 7-byte header (checksum, length, kind: 1 whole, 2 first, 3 middle, 4 last)."""
-    from wandb.proto import wandb_internal_pb2
-
-    data = next(Path(run_dir).glob("wandb/offline-run-*/run-*.wandb")).read_bytes()
-    pos, block, pending, history = 7, 32768, b"", []
-    while pos + 7 <= len(data):
-        if block - pos % block < 7:
-            pos += block - pos % block
-            continue
-        length, kind = struct.unpack("<HB", data[pos + 4:pos + 7])
-        pending, pos = pending + data[pos + 7:pos + 7 + length], pos + 7 + length
-        if kind in (1, 4):
-            record = wandb_internal_pb2.Record()
-            record.ParseFromString(pending)
-            pending = b""
-            if record.WhichOneof("record_type") == "history":
-                history.append({item.key or "/".join(item.nested_key): json.loads(item.value_json)
-                                for item in record.history.item})
-    return history
-
-
-@pytest.fixture(scope="module")
-def hard_data(tmp_path_factory):
-    rows = [json.loads(line) for line in DATA.read_text().splitlines()]
-    sources = ["math", "amc", "olympiads", "aops"]
-    path = tmp_path_factory.mktemp("data") / "hard.jsonl"
-    path.write_text("".join(json.dumps({**r, "source": sources[i % 4], "generated_token_count": (37 * i) % 101}) + "\n"
-                            for i, r in enumerate(rows)))
-    return path
-
-
-def recipe_command(model_dir, data, out_dir):
-    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(ROOT / "opsd.py"),
-            "--model", model_dir, "--dataset", str(data), "--device", "cpu", "--dtype", "float32",
-            "--prompts-per-step", "4", "--micro-batch-size", "1", "--max-new-tokens", "24", "--max-steps", "4",
-            "--save-every", "2", "--lr", "1e-3", "--teacher", "ema", "--ema-decay", "0.5", "--skip-first-tokens", "2",
-            "--data-select", "hard", "--wandb-project", "opsd-test", "--output-dir", str(out_dir)]
-
-
-def run(cmd):
-    env = {**os.environ, "WANDB_MODE": "offline", "WANDB_SILENT": "true"}
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=400, cwd=ROOT, env=env)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    return proc.stdout
-
-
-def test_ema_skip_select_and_wandb_under_torchrun_resume_exactly(tiny_model_dir, hard_data, tmp_path):
-    out = tmp_path / "run"
-    stdout = run(recipe_command(tiny_model_dir, hard_data, out))
-    counts = sorted((37 * i) % 101 for i in range(32) if i % 4)  # the rule by hand on the 24 rows not from 'math'
-    threshold = counts[len(counts) // 2]
-    kept = sum((37 * i) % 101 >= threshold for i in range(32) if i % 4)
-    assert f"data-select hard: 32 rows -> {kept} (source != 'math', generated_token_count >= {threshold})" in stdout
-    assert (out / "checkpoint-2" / "ema" / "adapter_model.safetensors").is_file()
-    final, ema = (load_file(out / "final" / d / "adapter_model.safetensors") for d in ("", "ema"))
-    assert final.keys() == ema.keys() and any(not torch.equal(final[k], ema[k]) for k in final)
-    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in records] == [1, 2, 3, 4]
-
-    # wandb (offline) holds rank 0's metrics.jsonl records, step for step
-    history = {h["_step"]: h for h in wandb_history(out)}
-    for r in records:
-        assert all(history[r["step"]][k] == pytest.approx(v, rel=1e-12) for k, v in r.items()), r["step"]
-    assert "rollouts/_type" in history[4]  # the last step logs its sampled answers
-
-    # a kill after checkpoint-2 leaves no final/; resuming must give the uninterrupted run's weights, EMA and records
-    resumed = tmp_path / "resumed"
-    shutil.copytree(out, resumed, ignore=shutil.ignore_patterns("final", "wandb"))
-    run(recipe_command(tiny_model_dir, hard_data, resumed) + ["--resume"])
-    for d in ("", "ema"):
-        a, b = (load_file(o / "final" / d / "adapter_model.safetensors") for o in (out, resumed))
-        assert all(torch.equal(a[k], b[k]) for k in a), d
-    timing = ("time_sample", "time_train", "time_push", "tokens_per_second")
-    again = [json.loads(line) for line in (resumed / "metrics.jsonl").read_text().splitlines()]
-    assert [{k: v for k, v in r.items() if k not in timing} for r in again] == \
-        [{k: v for k, v in r.items() if k not in timing} for r in records]

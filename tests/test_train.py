@@ -1,12 +1,14 @@
 # python -m pytest tests/test_train.py -q
 """The training loop: gradient equivalence across ranks and micro-batches, end-to-end torchrun runs on CPU
-with the real vLLM (float32), a SIGKILL and resume that ends on the same adapter, and early errors."""
+with the real vLLM (float32), the recipe's choices together (the EMA teacher, skipped first tokens, hard rows,
+wandb offline), Ctrl-C and a SIGKILL in that run, resumed to the same adapter and EMA, and early errors."""
 
 import json
 import os
 import shutil
 import signal
 import socket
+import struct
 import subprocess
 import sys
 import time
@@ -111,9 +113,9 @@ def test_gradient_checkpointing_changes_no_gradient(tiny_model_dir):
 # -- end to end ----------------------------------------------------------------------------------
 
 
-def opsd_command(model_dir, out_dir, *extra, nproc=2):
+def opsd_command(model_dir, out_dir, *extra, nproc=2, dataset=DATA):
     launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
-    return launcher + [str(ROOT / "opsd.py"), "--model", model_dir, "--dataset", str(DATA), "--device", "cpu",
+    return launcher + [str(ROOT / "opsd.py"), "--model", model_dir, "--dataset", str(dataset), "--device", "cpu",
                        "--dtype", "float32", "--prompts-per-step", "4", "--micro-batch-size", "1",
                        "--max-new-tokens", "32", "--output-dir", str(out_dir), "--log-rollouts-every", "2", *extra]
 
@@ -266,6 +268,77 @@ def test_non_finite_loss_stops_the_run_and_keeps_the_checkpoint(tiny_model_dir, 
     assert all(torch.isfinite(t).all() for t in load_file(tmp_path / "checkpoint-1" / "adapter_model.safetensors").values())
 
 
+# -- the recipe's choices together: the EMA teacher, skipped first tokens, hard rows, wandb offline ---------------
+
+
+@pytest.fixture(scope="module")
+def hard_data(tmp_path_factory):
+    rows = [json.loads(line) for line in DATA.read_text().splitlines()]
+    sources = ["math", "amc", "olympiads", "aops"]
+    path = tmp_path_factory.mktemp("data") / "hard.jsonl"
+    path.write_text("".join(json.dumps({**r, "source": sources[i % 4], "generated_token_count": (37 * i) % 101}) + "\n"
+                            for i, r in enumerate(rows)))
+    return path
+
+
+RECIPE = ("--max-steps", "5", "--save-every", "2", "--lr", "1e-3", "--teacher", "ema", "--ema-decay", "0.5",
+          "--skip-first-tokens", "2", "--data-select", "hard")
+
+
+@pytest.fixture(scope="module")
+def recipe_run(tiny_model_dir, hard_data, tmp_path_factory):
+    """The recipe's choices together, uninterrupted, with wandb offline: (its --output-dir, what it printed)."""
+    out = tmp_path_factory.mktemp("recipe") / "run"
+    cmd = opsd_command(tiny_model_dir, out, *RECIPE, "--wandb-project", "opsd-test", dataset=hard_data)
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=400, cwd=ROOT,
+                          env={**os.environ, "WANDB_MODE": "offline", "WANDB_SILENT": "true"})
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return out, proc.stdout
+
+
+def wandb_history(run_dir):
+    """The history records of an offline wandb run, read from its run file: a 7-byte header, then 32 KiB
+    blocks of records, each with a 7-byte header (checksum, length, kind: 1 whole, 2 first, 3 middle, 4 last)."""
+    from wandb.proto import wandb_internal_pb2
+
+    data = next(Path(run_dir).glob("wandb/offline-run-*/run-*.wandb")).read_bytes()
+    pos, block, pending, history = 7, 32768, b"", []
+    while pos + 7 <= len(data):
+        if block - pos % block < 7:
+            pos += block - pos % block
+            continue
+        length, kind = struct.unpack("<HB", data[pos + 4:pos + 7])
+        pending, pos = pending + data[pos + 7:pos + 7 + length], pos + 7 + length
+        if kind in (1, 4):
+            record = wandb_internal_pb2.Record()
+            record.ParseFromString(pending)
+            pending = b""
+            if record.WhichOneof("record_type") == "history":
+                history.append({item.key or "/".join(item.nested_key): json.loads(item.value_json)
+                                for item in record.history.item})
+    return history
+
+
+def test_ema_skip_select_and_wandb_under_torchrun(recipe_run):
+    """The hard rows by the rule, by hand; the EMA teacher's adapter beside the student's in each checkpoint and
+    final/; wandb's history holds rank 0's metrics.jsonl records, step for step. Interrupted and resumed to this
+    run's weights, EMA and records: the next test."""
+    out, stdout = recipe_run
+    counts = sorted((37 * i) % 101 for i in range(32) if i % 4)  # the rule by hand on the 24 rows not from 'math'
+    threshold = counts[len(counts) // 2]
+    kept = sum((37 * i) % 101 >= threshold for i in range(32) if i % 4)
+    assert f"data-select hard: 32 rows -> {kept} (source != 'math', generated_token_count >= {threshold})" in stdout
+    assert (out / "checkpoint-2" / "ema" / "adapter_model.safetensors").is_file()
+    final, ema = (load_file(out / "final" / d / "adapter_model.safetensors") for d in ("", "ema"))
+    assert final.keys() == ema.keys() and any(not torch.equal(final[k], ema[k]) for k in final)
+    records = metrics(out)
+    assert [r["step"] for r in records] == [1, 2, 3, 4, 5]
+    history = {h["_step"]: h for h in wandb_history(out)}
+    for r in records:
+        assert all(history[r["step"]][k] == pytest.approx(v, rel=1e-12) for k, v in r.items()), r["step"]
+    assert "rollouts/_type" in history[5]  # the last step logs its sampled answers
+
+
 # -- resume checks contents, and signals stop a run quietly -----------------------------------------
 
 
@@ -309,16 +382,16 @@ def interrupt(cmd, ready):
 
 
 def test_ctrl_c_and_a_kill_of_one_rank_end_every_rank_in_one_line_and_the_run_resumes_to_the_same_adapter(
-        entry_run, tiny_model_dir, tmp_path):
-    """One run stopped three ways, then ended on the uninterrupted run's records, rollouts and adapter. Ctrl-C after
-    step 1, before any checkpoint: nothing to resume, and the command printed (the run's own, with --resume) starts
-    the run again. In that run, kill -9 of rank 1 in step 3 (after checkpoint-2): torchrun ends rank 0 within
-    seconds, silently (or with one error and its traceback, if gloo told it first that its peer is gone), and the
-    files hold lines cut in the middle of a write, as a kill can leave. Ctrl-C in its resume, once it has logged
-    step 3: the command printed resumes the run, which then ends."""
-    reference, _ = entry_run
+        recipe_run, hard_data, tiny_model_dir, tmp_path):
+    """The recipe's run (wandb aside) stopped three ways, then ended on the uninterrupted run's records, rollouts,
+    adapter and EMA teacher. Ctrl-C after step 1, before any checkpoint: nothing to resume, and the command printed
+    (the run's own, with --resume) starts the run again. In that run, kill -9 of rank 1 in step 3 (after
+    checkpoint-2): torchrun ends rank 0 within seconds, silently (or with one error and its traceback, if gloo told
+    it first that its peer is gone), and the files hold lines cut in the middle of a write, as a kill can leave.
+    Ctrl-C in its resume, once it has logged step 3: the command printed resumes the run, which then ends."""
+    reference, _ = recipe_run
     out, logs = tmp_path / "run", tmp_path / "logs"
-    cmd = opsd_command(tiny_model_dir, out, "--clip", "entry", "--max-steps", "5", "--save-every", "2")
+    cmd = opsd_command(tiny_model_dir, out, *RECIPE, dataset=hard_data)
     head = cmd[:cmd.index(str(ROOT / "opsd.py")) + 1]
     line = interrupt(cmd, lambda: (out / "metrics.jsonl").exists() and (out / "metrics.jsonl").read_text())
     assert not opsd.checkpoints(out), "the interrupt came too late to test anything"
@@ -355,11 +428,12 @@ def test_ctrl_c_and_a_kill_of_one_rank_end_every_rank_in_one_line_and_the_run_re
     rollouts = [json.loads(line) for line in (out / "rollouts.jsonl").read_text().splitlines()]
     assert rollouts == [json.loads(line) for line in (reference / "rollouts.jsonl").read_text().splitlines()]
     assert not list(out.glob(".tmp-*"))
-    resumed = load_file(out / "final" / "adapter_model.safetensors")
-    uninterrupted = load_file(reference / "final" / "adapter_model.safetensors")
-    assert resumed.keys() == uninterrupted.keys()
-    for k in resumed:
-        assert torch.equal(resumed[k], uninterrupted[k]), k
+    for d in ("", "ema"):  # the student's adapter and the EMA teacher's
+        resumed = load_file(out / "final" / d / "adapter_model.safetensors")
+        uninterrupted = load_file(reference / "final" / d / "adapter_model.safetensors")
+        assert resumed.keys() == uninterrupted.keys()
+        for k in resumed:
+            assert torch.equal(resumed[k], uninterrupted[k]), (d, k)
 
 
 def test_only_a_directory_named_checkpoint_n_is_a_checkpoint(entry_run, tmp_path):
