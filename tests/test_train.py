@@ -120,8 +120,8 @@ def opsd_command(model_dir, out_dir, *extra, nproc=2, dataset=DATA):
                        "--max-new-tokens", "32", "--output-dir", str(out_dir), "--log-rollouts-every", "2", *extra]
 
 
-def run(cmd, timeout=300):
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=ROOT)
+def run(cmd, timeout=300, env=None):
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=ROOT, env=env)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return proc.stdout
 
@@ -281,6 +281,7 @@ def hard_data(tmp_path_factory):
     return path
 
 
+OFFLINE = {"WANDB_MODE": "offline", "WANDB_SILENT": "true"}
 RECIPE = ("--max-steps", "5", "--save-every", "2", "--lr", "1e-3", "--teacher", "ema", "--ema-decay", "0.5",
           "--skip-first-tokens", "2", "--data-select", "hard")
 
@@ -290,8 +291,7 @@ def recipe_run(tiny_model_dir, hard_data, tmp_path_factory):
     """The recipe's choices together, uninterrupted, with wandb offline: (its --output-dir, what it printed)."""
     out = tmp_path_factory.mktemp("recipe") / "run"
     cmd = opsd_command(tiny_model_dir, out, *RECIPE, "--wandb-project", "opsd-test", dataset=hard_data)
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=400, cwd=ROOT,
-                          env={**os.environ, "WANDB_MODE": "offline", "WANDB_SILENT": "true"})
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=400, cwd=ROOT, env={**os.environ, **OFFLINE})
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return out, proc.stdout
 
@@ -388,7 +388,8 @@ def test_ctrl_c_and_a_kill_of_one_rank_end_every_rank_in_one_line_and_the_run_re
     (the run's own, with --resume) starts the run again. In that run, kill -9 of rank 1 in step 3 (after
     checkpoint-2): torchrun ends rank 0 within seconds, silently (or with one error and its traceback, if gloo told
     it first that its peer is gone), and the files hold lines cut in the middle of a write, as a kill can leave.
-    Ctrl-C in its resume, once it has logged step 3: the command printed resumes the run, which then ends."""
+    Ctrl-C in its resume, once it has logged step 3: the command printed resumes the run, which then ends (with wandb
+    offline, as the reference: its history holds the steps after the checkpoint)."""
     reference, _ = recipe_run
     out, logs = tmp_path / "run", tmp_path / "logs"
     cmd = opsd_command(tiny_model_dir, out, *RECIPE, dataset=hard_data)
@@ -421,10 +422,12 @@ def test_ctrl_c_and_a_kill_of_one_rank_end_every_rank_in_one_line_and_the_run_re
     assert command.startswith("torchrun --nproc_per_node 2 opsd.py ") and "--overwrite" not in command
     assert head + command.split(" opsd.py ", 1)[1].split() == cmd + ["--resume"]
 
-    run(cmd + ["--resume"])
+    run(cmd + ["--resume", "--wandb-project", "opsd-test"], env={**os.environ, **OFFLINE})  # wandb, as the reference
     # record for record the uninterrupted run's: steps after the checkpoint are not doubled, a half-written line is
     # dropped, and the KL window (20,000 tokens: every step so far) continues from the checkpoint, not empty
     assert without_timings(metrics(out)) == without_timings(metrics(reference))
+    resumed_from = 4 if "checkpoint-4" in line else 2  # the checkpoint the Ctrl-C's line named
+    assert sorted(h["_step"] for h in wandb_history(out) if "loss" in h) == list(range(resumed_from + 1, 6))
     rollouts = [json.loads(line) for line in (out / "rollouts.jsonl").read_text().splitlines()]
     assert rollouts == [json.loads(line) for line in (reference / "rollouts.jsonl").read_text().splitlines()]
     assert not list(out.glob(".tmp-*"))
