@@ -69,7 +69,7 @@ def row_logits(model, prompt, completion, gap=0):
     positions = torch.cat([torch.arange(P), torch.arange(P + gap, P + gap + L)])
     out = model(input_ids=torch.tensor([prompt + completion]),
                 position_ids=positions[None]).logits[0]
-    return out[P - 2:P + L]
+    return out[P - 2:P + L].clone()  # apart from the whole sequence's logits (Reference keeps it)
 
 
 # The terms a value over several entries is a weighted sum of (Config.weights), each entry's:
@@ -232,11 +232,8 @@ class Reference:
         self.model = load_model(model_dir)
         self.rows, self.fixture, self.micro_batch_size = rows, fixture, micro_batch_size
         self.lengths = [len(r["completion_ids"]) for r in rows]
-        self.logits = {side: [row_logits(self.model, r[f"{side}_prompt_ids"], r["completion_ids"])
-                              for r in rows]
-                       for side in SIDES}
-        # {(side, micro-batch size): the logits with each answer's positions after the pads}
-        self.padded = {}
+        self.forwards = {}  # {(prompt ids, answer ids, gap): row_logits}, shared by its copies
+        self.logits = {side: [self.forward(side, r) for r in range(len(rows))] for side in SIDES}
 
     @classmethod
     def from_fixture(cls, path=FIXTURE):
@@ -256,19 +253,25 @@ class Reference:
         other = copy.copy(self)
         other.rows = [dict(r) for r in self.rows]
         other.logits = {side: list(x) for side, x in self.logits.items()}
-        other.padded = {}
         for side, changed in prompts.items():
             for row, ids in changed.items():
                 other.rows[row][f"{side}_prompt_ids"] = ids
-                other.logits[side][row] = row_logits(self.model, ids,
-                                                     self.rows[row]["completion_ids"])
+                other.logits[side][row] = other.forward(side, row)
         return other
+
+    def forward(self, side, row, gap=0):
+        """row_logits of a row, its prompt on `side` then its answer, each computed once."""
+        r = self.rows[row]
+        key = (tuple(r[f"{side}_prompt_ids"]), tuple(r["completion_ids"]), gap)
+        if key not in self.forwards:
+            self.forwards[key] = row_logits(self.model, *key)
+        return self.forwards[key]
 
     def answers(self, rows, skip=0):
         """(N,) the answer tokens of `rows`, concatenated, and (N,) whether each of their positions
         is in the loss (from `skip` on)."""
-        y = torch.cat([torch.tensor(self.rows[r]["completion_ids"]) for r in rows])
-        return y, torch.cat([torch.arange(self.lengths[r]) >= skip for r in rows])
+        return (torch.cat([torch.tensor(self.rows[r]["completion_ids"]) for r in rows]),
+                torch.cat([torch.arange(self.lengths[r]) >= skip for r in rows]))
 
     def pads(self, side, size):
         """Per row, how much shorter its prompt on `side` is than the longest of its micro-batch
@@ -288,11 +291,7 @@ class Reference:
         """Each row's logits with its answer at position ids counted over the pads that padding its
         prompt to the micro-batch's longest puts before it (the rows with the longest prompt
         unchanged)."""
-        if (side, size) not in self.padded:
-            self.padded[side, size] = [
-                row_logits(self.model, r[f"{side}_prompt_ids"], r["completion_ids"], gap) if gap
-                else x for r, x, gap in zip(self.rows, self.logits[side], self.pads(side, size))]
-        return self.padded[side, size]
+        return [self.forward(side, r, gap) for r, gap in enumerate(self.pads(side, size))]
 
     def joined(self, rows, side, offset=0, padded=None):
         """(N, V) the side's raw logits at the answer positions of `rows`, concatenated, at the
@@ -511,9 +510,8 @@ class Numbers:
     def __init__(self, logits=None, logprobs=None, token=None, ids=None, ratio=None):
         self.logits, self.logprobs, self.token = logits, logprobs, token
         self.ids, self.ratio = ids, ratio
-        # each temperature's log-probs (the last 17 temperatures') and the order computed once
-        self.log_probs = functools.lru_cache(17)(self.log_probs)
-        self.order = functools.cache(self.order)
+        self.cache = {}  # {temperature: log-probs}
+        self.ranks = None
         self.free = logits is not None  # whether the temperature is a parameter of these numbers
         self.sparse = ids is not None  # log-probs at the teacher's top K ids alone
         self.full = not self.sparse and (logits is not None or logprobs is not None)
@@ -526,7 +524,11 @@ class Numbers:
     def log_probs(self, temperature):
         if self.logprobs is not None:
             return self.logprobs
-        return torch.log_softmax(self.logits / temperature, -1)
+        if temperature not in self.cache:
+            if len(self.cache) > 16:
+                self.cache.clear()
+            self.cache[temperature] = torch.log_softmax(self.logits / temperature, -1)
+        return self.cache[temperature]
 
     def of_token(self, temperature, y):
         """(N,) the log-prob of each sampled token: NaN where only the top K ids are known and y
@@ -542,8 +544,10 @@ class Numbers:
     def order(self):
         """(N, V) the entries by rank, largest first (whatever the temperature); of the top K ids,
         their columns by rank."""
-        x = self.logits if self.logprobs is None else self.logprobs
-        return x.argsort(dim=-1, descending=True, stable=True)
+        if self.ranks is None:
+            x = self.logits if self.logprobs is None else self.logprobs
+            self.ranks = x.argsort(dim=-1, descending=True, stable=True)
+        return self.ranks
 
 
 def config_values(c, numbers, y, peer=None, tie=0.0):
@@ -636,18 +640,20 @@ class Fit:
     def __init__(self, numbers, y, peer, kept, declared, tie=0.0, narrow=False):
         self.numbers, self.y, self.peer, self.kept = numbers, y, peer, kept
         self.student, self.teacher = numbers["student"], numbers["teacher"]
-        self.declared, self.tie, self.narrow = declared, tie, narrow  # narrow: the declared alone
+        self.declared, self.narrow = declared, narrow  # narrow: the declared alone
         self.total = int(kept.sum())
         index = kept.nonzero()[:, 0]
         spread = torch.linspace(0, len(index) - 1, min(FIT_POSITIONS, len(index)))
         index = index[spread.round().long()]
         self.search = ({side: x.at(index) for side, x in numbers.items()}, y[index], peer[index])
-        self.values = functools.cache(self.values)  # each configuration's values computed once
+        where = {False: (numbers, y, peer), True: self.search}
 
-    def values(self, c, on_search=False):
-        if on_search:
-            return config_values(c, *self.search, self.tie)
-        return config_values(c, self.numbers, self.y, self.peer, self.tie)
+        def values(c, on_search=False):  # c's values (at the search positions alone when on_search)
+            return config_values(c, *where[on_search], tie)
+
+        # each configuration's values computed once (a function of the numbers, not of self: no
+        # reference cycle keeps a Fit and its numbers after its last use)
+        self.values = functools.cache(values)
 
     def count(self, c):
         return int((close(self.peer, self.values(c)) & self.kept).sum())
@@ -1309,7 +1315,8 @@ def compare_side(ref, dump, side, declared, size, divided, inferred, own_prompts
         return Check(name, "differs", lines)
 
     lengths = [ref.lengths[row] for row in x]
-    seen = torch.cat([v.view(len(v), -1) for v in x.values()])  # the rows joined
+    total = sum(lengths)
+    seen = torch.cat(list(x.values())).view(total, -1)  # the rows joined
     picks = None  # the columns compared: the teacher's top K ids, the sampled token or all
     if ids:
         picks = torch.cat([ids[row] for row in x])
@@ -1330,7 +1337,6 @@ def compare_side(ref, dump, side, declared, size, divided, inferred, own_prompts
     def count(*args, **kw):  # the positions within the tolerance
         return sum(int((e <= TOL_LOGPROB).sum()) for e in errors(*args, **kw).values())
 
-    total = sum(lengths)
     # name: (reference's arguments, {cause: the argument it sets}); the temperature fitted at each
     # alignment of the positions, so that one at the positions a shift puts them is not read at the
     # unshifted ones
