@@ -13,6 +13,7 @@ transformers and safetensors are needed, and no GPU.
 
 import argparse
 import copy
+import functools
 import hashlib
 import json
 import math
@@ -68,7 +69,7 @@ def row_logits(model, prompt, completion, gap=0):
     positions = torch.cat([torch.arange(P), torch.arange(P + gap, P + gap + L)])
     out = model(input_ids=torch.tensor([prompt + completion]),
                 position_ids=positions[None]).logits[0]
-    return out[P - 2:P + L]
+    return out[P - 2:P + L].clone()  # apart from the whole sequence's logits (Reference keeps it)
 
 
 # The terms a value over several entries is a weighted sum of (Config.weights), each entry's:
@@ -90,7 +91,7 @@ def divergence_terms(log_s, log_t, beta, weights=PLAIN):
     log-probs at the loss temperature: the terms above, weighted."""
     def term(log_p, log_q):  # p (log p - log q), 0 where p = 0
         p = log_p.exp()
-        return torch.where(p > 0, p * (log_p - log_q), torch.zeros_like(p))
+        return torch.where(p > 0, p * (log_p - log_q), 0.0)
 
     def of_beta():
         if beta == 0.0:
@@ -102,7 +103,7 @@ def divergence_terms(log_s, log_t, beta, weights=PLAIN):
 
     def cross_entropy():
         p_t = log_t.exp()
-        return torch.where(p_t > 0, -p_t * log_s, torch.zeros_like(p_t))
+        return torch.where(p_t > 0, -p_t * log_s, 0.0)
 
     parts = (of_beta, lambda: term(log_s, log_t), cross_entropy)
     return sum(w * part() for w, part in zip(weights, parts) if w)
@@ -231,11 +232,8 @@ class Reference:
         self.model = load_model(model_dir)
         self.rows, self.fixture, self.micro_batch_size = rows, fixture, micro_batch_size
         self.lengths = [len(r["completion_ids"]) for r in rows]
-        self.logits = {side: [row_logits(self.model, r[f"{side}_prompt_ids"], r["completion_ids"])
-                              for r in rows]
-                       for side in SIDES}
-        # {(side, micro-batch size): the logits with each answer's positions after the pads}
-        self.padded = {}
+        self.forwards = {}  # {(prompt ids, answer ids, gap): row_logits}, shared by its copies
+        self.logits = {side: [self.forward(side, r) for r in range(len(rows))] for side in SIDES}
 
     @classmethod
     def from_fixture(cls, path=FIXTURE):
@@ -255,13 +253,25 @@ class Reference:
         other = copy.copy(self)
         other.rows = [dict(r) for r in self.rows]
         other.logits = {side: list(x) for side, x in self.logits.items()}
-        other.padded = {}
         for side, changed in prompts.items():
             for row, ids in changed.items():
                 other.rows[row][f"{side}_prompt_ids"] = ids
-                other.logits[side][row] = row_logits(self.model, ids,
-                                                     self.rows[row]["completion_ids"])
+                other.logits[side][row] = other.forward(side, row)
         return other
+
+    def forward(self, side, row, gap=0):
+        """row_logits of a row, its prompt on `side` then its answer, each computed once."""
+        r = self.rows[row]
+        key = (tuple(r[f"{side}_prompt_ids"]), tuple(r["completion_ids"]), gap)
+        if key not in self.forwards:
+            self.forwards[key] = row_logits(self.model, *key)
+        return self.forwards[key]
+
+    def answers(self, rows, skip=0):
+        """(N,) the answer tokens of `rows`, concatenated, and (N,) whether each of their positions
+        is in the loss (from `skip` on)."""
+        return (torch.cat([torch.tensor(self.rows[r]["completion_ids"]) for r in rows]),
+                torch.cat([torch.arange(self.lengths[r]) >= skip for r in rows]))
 
     def pads(self, side, size):
         """Per row, how much shorter its prompt on `side` is than the longest of its micro-batch
@@ -281,19 +291,18 @@ class Reference:
         """Each row's logits with its answer at position ids counted over the pads that padding its
         prompt to the micro-batch's longest puts before it (the rows with the longest prompt
         unchanged)."""
-        if (side, size) not in self.padded:
-            self.padded[side, size] = [
-                row_logits(self.model, r[f"{side}_prompt_ids"], r["completion_ids"], gap) if gap
-                else x for r, x, gap in zip(self.rows, self.logits[side], self.pads(side, size))]
-        return self.padded[side, size]
+        return [self.forward(side, r, gap) for r, gap in enumerate(self.pads(side, size))]
+
+    def joined(self, rows, side, offset=0, padded=None):
+        """(N, V) the side's raw logits at the answer positions of `rows`, concatenated, at the
+        positions shifted by `offset`; padded: a micro-batch size, for the logits with the
+        answer's position ids counted over the pads."""
+        x = self.logits[side] if padded is None else self.padded_logits(side, padded)
+        return torch.cat([x[r][1 + offset:1 + offset + self.lengths[r]] for r in rows])
 
     def log_probs(self, side, row, temperature, offset=0, padded=None):
-        """(L, V) the side's log-probs at `temperature`, at the positions shifted by `offset`;
-        padded: a micro-batch size, for the logits with the answer's position ids counted over the
-        pads."""
-        x = self.logits[side][row] if padded is None else self.padded_logits(side, padded)[row]
-        L = self.lengths[row]
-        return torch.log_softmax(x[1 + offset:1 + offset + L] / temperature, -1)
+        """(L, V) the side's log-probs at `temperature` (joined's positions)."""
+        return torch.log_softmax(self.joined([row], side, offset, padded) / temperature, -1)
 
     def divergences(self, *, beta, temperature, clip, tau):
         """[(L,)] per row: the divergence at `temperature`."""
@@ -528,8 +537,8 @@ class Numbers:
             return self.token
         if self.sparse:
             hit = self.ids == y[:, None]
-            value = torch.where(hit, self.logprobs, torch.zeros_like(self.logprobs)).sum(-1)
-            return torch.where(hit.any(-1), value, torch.full_like(value, math.nan))
+            value = torch.where(hit, self.logprobs, 0.0).sum(-1)
+            return torch.where(hit.any(-1), value, math.nan)
         return self.log_probs(temperature).gather(-1, y[:, None])[:, 0]
 
     def order(self):
@@ -631,17 +640,20 @@ class Fit:
     def __init__(self, numbers, y, peer, kept, declared, tie=0.0, narrow=False):
         self.numbers, self.y, self.peer, self.kept = numbers, y, peer, kept
         self.student, self.teacher = numbers["student"], numbers["teacher"]
-        self.declared, self.tie, self.narrow = declared, tie, narrow  # narrow: the declared alone
+        self.declared, self.narrow = declared, narrow  # narrow: the declared alone
         self.total = int(kept.sum())
         index = kept.nonzero()[:, 0]
         spread = torch.linspace(0, len(index) - 1, min(FIT_POSITIONS, len(index)))
         index = index[spread.round().long()]
         self.search = ({side: x.at(index) for side, x in numbers.items()}, y[index], peer[index])
+        where = {False: (numbers, y, peer), True: self.search}
 
-    def values(self, c, on_search=False):
-        if on_search:
-            return config_values(c, *self.search, self.tie)
-        return config_values(c, self.numbers, self.y, self.peer, self.tie)
+        def values(c, on_search=False):  # c's values (at the search positions alone when on_search)
+            return config_values(c, *where[on_search], tie)
+
+        # each configuration's values computed once (a function of the numbers, not of self: no
+        # reference cycle keeps a Fit and its numbers after its last use)
+        self.values = functools.cache(values)
 
     def count(self, c):
         return int((close(self.peer, self.values(c)) & self.kept).sum())
@@ -1302,29 +1314,29 @@ def compare_side(ref, dump, side, declared, size, divided, inferred, own_prompts
     if lines:
         return Check(name, "differs", lines)
 
-    picks = ids  # the columns compared: the teacher's top K ids, the sampled token or all
+    lengths = [ref.lengths[row] for row in x]
+    total = sum(lengths)
+    seen = torch.cat(list(x.values())).view(total, -1)  # the rows joined
+    picks = None  # the columns compared: the teacher's top K ids, the sampled token or all
+    if ids:
+        picks = torch.cat([ids[row] for row in x])
     if token:
-        picks = {row: torch.tensor(ref.rows[row]["completion_ids"])[:, None] for row in x}
+        picks = ref.answers(x)[0][:, None]
 
-    # the reference's log-probs of a row: the fixture's, or at another temperature (times `scale`),
+    ours = functools.cache(functools.partial(ref.joined, x))  # the reference's logits of x's rows
+
+    # each row's distances to the reference's log-probs: the fixture's, or at another temperature,
     # positions shifted by `offset`, position ids counted over the pads of micro-batches of
     # `padded` rows, or the `source` side's numbers
-    def reference(row, temperature=expected, offset=0, padded=None, source=None, scale=1.0):
-        return ref.log_probs(source or side, row, temperature * scale, offset, padded)
-
-    def errors(*args, **kw):  # each row's distances to reference(...)
-        out = {}
-        for row, v in x.items():
-            want = reference(row, *args, **kw)
-            if picks:
-                want = want.gather(-1, picks[row])
-            out[row] = (v.view(len(want), -1) - want).abs().amax(-1)
-        return out
+    def errors(temperature=expected, offset=0, padded=None, source=None):
+        want = torch.log_softmax(ours(source or side, offset, padded) / temperature, -1)
+        if picks is not None:
+            want = want.gather(-1, picks)
+        return dict(zip(x, want.sub_(seen).abs_().amax(-1).split(lengths)))
 
     def count(*args, **kw):  # the positions within the tolerance
         return sum(int((e <= TOL_LOGPROB).sum()) for e in errors(*args, **kw).values())
 
-    total = sum(ref.lengths[r] for r in x)
     # name: (reference's arguments, {cause: the argument it sets}); the temperature fitted at each
     # alignment of the positions, so that one at the positions a shift puts them is not read at the
     # unshifted ones
@@ -1378,14 +1390,18 @@ def compare_side(ref, dump, side, declared, size, divided, inferred, own_prompts
         scale = 1.0
         if raw:
             scale = T  # the hypotheses' temperatures are this many times the loss temperature's
+
+        def reference(row, temperature=expected, offset=0, padded=None, source=None):  # a row's
+            # log-probs under a hypothesis's arguments (errors'), its temperature times `scale`
+            return ref.log_probs(source or side, row, temperature * scale, offset, padded)
+
         if token or ids:  # a sampled token's or a top K's: the reference's under the best one
             rows = list(range(len(ref.rows)))
-            own = {row: reference(row, **best, scale=scale) for row in rows}
+            own = {row: reference(row, **best) for row in rows}
         else:
-            rows = sorted(x)
+            rows = list(x)
             own = {row: torch.log_softmax(v / scale, -1) for row, v in x.items()}
-        y = torch.cat([torch.tensor(ref.rows[row]["completion_ids"]) for row in rows])
-        kept = torch.cat([torch.arange(ref.lengths[row]) >= skip for row in rows])
+        y, kept = ref.answers(rows, skip)
 
         def loss(log_p, offset):  # the other side's log-probs at the same positions as these
             pair = reference_numbers(ref, rows, offset=offset)
@@ -1400,7 +1416,7 @@ def compare_side(ref, dump, side, declared, size, divided, inferred, own_prompts
                 del arguments[sets[cause]]
             undone = dict(own)
             for row, positions in reading.positions[cause].items():
-                without = reference(row, **arguments, scale=scale)
+                without = reference(row, **arguments)
                 undone[row] = torch.where(positions[:, None], without, own[row])
             # a shift moves both sides' positions: undone on both
             sizes[cause] = (with_it, loss(undone, arguments.get("offset", 0)))
@@ -1529,11 +1545,8 @@ def reference_numbers(ref, rows, ratio=None, offset=0, padded=(), size=None):
     """{side: Numbers} of the reference's raw logits over `rows`, concatenated (positions shifted by
     `offset`; `padded`: the sides whose answers sit at position ids counted over the pads of
     micro-batches of `size`), the student's with the log importance ratio `ratio`."""
-    out = {}
-    for side in SIDES:
-        logits = ref.logits[side] if side not in padded else ref.padded_logits(side, size)
-        out[side] = Numbers(logits=torch.cat([logits[r][1 + offset:1 + offset + ref.lengths[r]]
-                                              for r in rows]))
+    out = {side: Numbers(logits=ref.joined(rows, side, offset, size if side in padded else None))
+           for side in SIDES}
     out["student"].ratio = ratio
     return out
 
@@ -1612,9 +1625,8 @@ def compare_divergence(ref, dump, declared, skip, size, divided, own_prompts, ra
                                        for r in bad[:5]]), None
     rows = sorted(peer)
     lengths = [ref.lengths[r] for r in rows]
-    y = torch.cat([torch.tensor(ref.rows[r]["completion_ids"]) for r in rows])
+    y, kept = ref.answers(rows, skip)
     P = torch.cat([peer[r] for r in rows])
-    kept = torch.cat([torch.arange(n) >= skip for n in lengths])
     total = int(kept.sum())
 
     def per_row(values):  # {row: its values at the positions in the loss}, views of `values`
@@ -2000,7 +2012,7 @@ def verify(dump, ref):
     declared, skip, stored = declared_config(dump, ref.fixture)
     size = dump.micro_batch_size or ref.micro_batch_size
     rows = list(range(len(ref.rows)))
-    y = torch.cat([torch.tensor(r["completion_ids"]) for r in ref.rows])
+    y = ref.answers(rows)[0]
     lengths = ref.lengths
 
     def step_loss(reference):  # the declared loss from a reference's numbers
