@@ -322,7 +322,7 @@ def wandb_history(run_dir):
 def test_ema_skip_select_and_wandb_under_torchrun(recipe_run):
     """The hard rows by the rule, by hand; the EMA teacher's adapter beside the student's in each checkpoint and
     final/; wandb's history holds rank 0's metrics.jsonl records, step for step. Interrupted and resumed to this
-    run's weights, EMA and records: the next test."""
+    run's weights, EMA and records: test_ctrl_c_and_a_kill_of_one_rank_... below."""
     out, stdout = recipe_run
     counts = sorted((37 * i) % 101 for i in range(32) if i % 4)  # the rule by hand on the 24 rows not from 'math'
     threshold = counts[len(counts) // 2]
